@@ -1,0 +1,62 @@
+# Set-up and everyday commands. Every target installs what it needs, idempotently: the virtual
+# environment is rebuilt only when pyproject.toml changes, node_modules only when package-lock.json does.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+ENV ?= default
+PCLUSTER_VERSION := 3.16.1
+# jsii prints a Node 20 end-of-life banner on every run; Node 20 works, and the banner buries messages.
+export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
+# Offline: never reach for instance metadata when looking for credentials.
+export AWS_EC2_METADATA_DISABLED := true
+
+.PHONY: deps tools synth synth-all test lint snapshots clean
+
+deps: $(VENV)/.installed node_modules/.installed
+
+## System tools the tests use: shellcheck lints the node bootstrap script (Debian package, needs root).
+tools:
+	@command -v shellcheck >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck >/dev/null; \
+	  else echo "shellcheck is missing: install it (e.g. sudo apt-get install shellcheck)" >&2; exit 1; fi; }
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet -e '.[infra,dev]'
+	# Schema and validators only: its CDK v1 / jsii 1.85 pins conflict with aws-cdk-lib v2 (see pyproject.toml).
+	$(VPY) -m pip install --quiet --no-deps aws-parallelcluster==$(PCLUSTER_VERSION)
+	touch $@
+
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+## Synthesize one environment (ENV=default) with the pinned CDK CLI; cdk-nag runs as part of synth.
+synth: deps
+	npx cdk synth -c env=$(ENV) --quiet
+	@echo "Templates for environment '$(ENV)' are in cdk.out/"
+
+## Synthesize every file in environments/ into cdk.out.<name>/.
+synth-all: deps
+	for file in environments/*.yaml; do name=$$(basename $$file .yaml); \
+	  npx cdk synth -c env=$$name --quiet --output cdk.out.$$name; done
+
+## Lint, type-check the pure parts, then run every test.
+test: deps tools lint
+	$(VPY) -m pytest
+
+lint: deps
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
+	$(VPY) -m mypy
+
+## Rewrite the template snapshots in tests/infra/snapshots/ after an intended infrastructure change.
+snapshots: deps
+	UPDATE_SNAPSHOTS=1 $(VPY) -m pytest tests/infra/test_snapshots.py
+
+clean:
+	rm -rf cdk.out cdk.out.* .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,19 @@
+#!/usr/bin/env python3
+"""CDK entry point: `npx cdk synth|deploy|destroy -c env=NAME` builds environments/NAME.yaml."""
+
+import sys
+
+from aws_cdk import App
+
+from stacks.application import build_app, environment_from_context
+from stacks.config import ConfigError
+
+app = App()
+try:
+    config = environment_from_context(app)
+except ConfigError as error:
+    # One line per problem and no stack trace: these are user errors in a reviewed file.
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(1)
+build_app(app, config)
+app.synth()

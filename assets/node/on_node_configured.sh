@@ -1,0 +1,637 @@
+#!/usr/bin/env bash
+# ParallelCluster OnNodeConfigured action for a Slurm cluster with trn1 compute nodes.
+#
+# ParallelCluster runs this script as root on every node once the node is configured and passes
+# CustomActions.OnNodeConfigured.Args as positional arguments:
+#
+#   on_node_configured.sh --neuron-release 2.28.1 --shared-env /fsx/envs/neuron-2.28.1
+#                         [--pip-index URL] [--apt-suite NAME] [--node-type head|compute]
+#                         [--skip-hosts-fix] [--dry-run]
+#
+# What it does, by node type:
+#   head node     apt: python3.X-venv and g++ only. Builds the shared Python venv on the shared
+#                 file system (torch-neuronx, neuronx-cc, neuronx-distributed pinned to the release).
+#   compute node  apt: Neuron driver, runtime, collectives and tools pinned to the release;
+#                 removes the node's own hostname line from /etc/hosts (trn1 multi-NIC fix).
+#   login node    nothing (it uses the shared venv).
+#
+# Tests source this file and call its functions; main only runs when the file is executed.
+# Overridable for tests: OS_RELEASE_FILE, PCLUSTER_CFNCONFIG, HOSTS_FILE.
+set -euo pipefail
+
+# =====================================================================================
+# Pinned Neuron SDK release. Change these together, never one at a time.
+#
+# Neuron 2.28.1 (2026-03-13). Versions from the Neuron release artifacts ("Previous release
+# artifacts (Neuron 2.x)", Trn1 packages for 2.28.1), i.e. src/helperscripts/n2-manifest.json
+# in github.com/aws-neuron/aws-neuron-sdk. 2.28.1 only changed aws-neuronx-dkms (2.26.5.0 ->
+# 2.26.10.0, fix for Linux kernel 6.18) and gpsimd-customop-lib; the pip packages are 2.28.0's.
+#
+# Why 2.28 and not a newer release: Neuron's notices "Announcing end of support for NxDT and NxD
+# Core Training APIs starting with Neuron SDK release 2.29" and "NxDT and NxD Core Training APIs
+# are now in maintenance mode starting with Neuron 2.30" tell NxD Core users to stay on Neuron
+# 2.28 / PyTorch 2.9; "Neuron no longer supports PyTorch/XLA for training starting with Neuron
+# 2.30"; Neuron 2.32 ships no torch-neuronx or neuronx-distributed at all; the native PyTorch
+# backend that replaces them targets Trn2/Trn3, not trn1.
+# =====================================================================================
+NEURON_RELEASE="2.28.1"
+# apt packages (Neuron apt repository), compute nodes only.
+NEURON_DKMS_VERSION="2.26.10.0"
+NEURON_COLLECTIVES_VERSION="2.30.59.0"
+NEURON_RUNTIME_LIB_VERSION="2.30.51.0"
+NEURON_TOOLS_VERSION="2.28.23.0"
+# pip packages (Neuron pip repository), shared venv built on the head node.
+NEURON_TORCH_NEURONX_VERSION="2.9.0.2.12.22436"   # PyTorch 2.9 (PyTorch/XLA based)
+NEURON_NEURONX_CC_VERSION="2.23.6484.0"
+NEURON_NEURONX_DISTRIBUTED_VERSION="0.17.26814"
+# Python versions the release's wheels support.
+NEURON_PYTHON_VERSIONS="3.10 3.11 3.12"
+# =====================================================================================
+
+NEURON_APT_PINS=(
+  "aws-neuronx-dkms=${NEURON_DKMS_VERSION}"
+  "aws-neuronx-collectives=${NEURON_COLLECTIVES_VERSION}"
+  "aws-neuronx-runtime-lib=${NEURON_RUNTIME_LIB_VERSION}"
+  "aws-neuronx-tools=${NEURON_TOOLS_VERSION}"
+)
+NEURON_PIP_PINS=(
+  "torch-neuronx==${NEURON_TORCH_NEURONX_VERSION}"
+  "neuronx-cc==${NEURON_NEURONX_CC_VERSION}"
+  "neuronx-distributed==${NEURON_NEURONX_DISTRIBUTED_VERSION}"
+)
+
+DEFAULT_PIP_INDEX="https://pip.repos.neuron.amazonaws.com"
+NEURON_APT_URL="https://apt.repos.neuron.amazonaws.com"
+NEURON_APT_KEY_URL="${NEURON_APT_URL}/GPG-PUB-KEY-AMAZON-AWS-NEURON.PUB"
+NEURON_APT_KEYRING="/etc/apt/keyrings/aws-neuron.gpg"
+# Same file name as the Neuron setup guide, so an entry made by that guide is replaced, not
+# duplicated (two entries for one repository with different Signed-By make apt fail).
+NEURON_APT_SOURCE="/etc/apt/sources.list.d/neuron.list"
+NEURON_PROFILE_SCRIPT="/etc/profile.d/aws-neuron.sh"
+
+OS_RELEASE_FILE="${OS_RELEASE_FILE:-/etc/os-release}"
+PCLUSTER_CFNCONFIG="${PCLUSTER_CFNCONFIG:-/etc/parallelcluster/cfnconfig}"
+HOSTS_FILE="${HOSTS_FILE:-/etc/hosts}"
+
+ENV_MARKER=".neuron-env-complete"   # written last into a finished venv
+LOCK_TIMEOUT_SECONDS=1200           # the whole bootstrap must finish within 2100 s
+APT_LOCK_TIMEOUT_SECONDS=300        # unattended-upgrades may hold the dpkg lock at boot
+
+# Parsed arguments (set by parse_args).
+ARG_NEURON_RELEASE=""
+ARG_SHARED_ENV=""
+ARG_PIP_INDEX="${DEFAULT_PIP_INDEX}"
+ARG_APT_SUITE=""
+ARG_NODE_TYPE=""
+ARG_SKIP_HOSTS_FIX=0
+DRY_RUN=0
+
+# Detected state.
+OS_ID=""
+OS_VERSION_ID=""
+OS_CODENAME=""
+PYTHON_VERSION=""
+NODE_TYPE=""
+BUILD_DIR_IN_PROGRESS=""
+
+# ----------------------------------------------------------------------------- helpers
+
+log() {
+  printf '%s [on_node_configured] %s\n' "$(date -u '+%Y-%m-%dT%H:%M:%SZ')" "$*" >&2
+}
+
+die() {
+  log "ERROR: $*"
+  exit 1
+}
+
+usage() {
+  cat <<EOF
+Usage: on_node_configured.sh --neuron-release X.Y.Z --shared-env DIR [options]
+
+Required:
+  --neuron-release X.Y.Z   Neuron SDK release; must equal the release pinned in this script
+                           (${NEURON_RELEASE}).
+  --shared-env DIR         Absolute path of the shared Python venv on the shared file system,
+                           e.g. /fsx/envs/neuron-${NEURON_RELEASE}.
+Options:
+  --pip-index URL          Extra pip index for the Neuron wheels (default ${DEFAULT_PIP_INDEX}).
+  --apt-suite NAME         Suite of the Neuron apt repository (default: VERSION_CODENAME of the OS).
+  --node-type head|compute Skip node type detection from ${PCLUSTER_CFNCONFIG}.
+  --skip-hosts-fix         Do not remove the node's hostname line from ${HOSTS_FILE}.
+  --dry-run                Print the apt/pip/system commands instead of running them.
+  -h, --help               Show this help.
+EOF
+}
+
+usage_error() {
+  log "ERROR: $*"
+  log "Run with --help for usage."
+  exit 2
+}
+
+# Run a command, or print it with --dry-run.
+run() {
+  if [[ "${DRY_RUN}" == 1 ]]; then
+    local out="DRY-RUN:" arg
+    for arg in "$@"; do
+      out+=" $(printf '%q' "${arg}")"
+    done
+    printf '%s\n' "${out}"
+  else
+    "$@"
+  fi
+}
+
+# Replace a file with one line of content (printed with --dry-run).
+write_file() {
+  local path=$1 content=$2 mode=${3:-0644}
+  if [[ "${DRY_RUN}" == 1 ]]; then
+    printf 'DRY-RUN: write %s: %s\n' "${path}" "${content}"
+    return 0
+  fi
+  local tmp
+  tmp=$(mktemp "${path}.XXXXXX")
+  printf '%s\n' "${content}" >"${tmp}"
+  chmod "${mode}" "${tmp}"
+  mv -f "${tmp}" "${path}"
+}
+
+apt_get() {
+  run env DEBIAN_FRONTEND=noninteractive NEEDRESTART_MODE=a \
+    apt-get -o "DPkg::Lock::Timeout=${APT_LOCK_TIMEOUT_SECONDS}" -y -q "$@"
+}
+
+# ----------------------------------------------------------------------------- arguments
+
+set_option() {
+  local name=$1 value=$2
+  [[ -n "${value}" ]] || usage_error "${name} requires a non-empty value"
+  case "${name}" in
+    --neuron-release) ARG_NEURON_RELEASE=${value} ;;
+    --shared-env) ARG_SHARED_ENV=${value} ;;
+    --pip-index) ARG_PIP_INDEX=${value} ;;
+    --apt-suite) ARG_APT_SUITE=${value} ;;
+    --node-type) ARG_NODE_TYPE=${value} ;;
+    *) usage_error "unknown argument: '${name}'" ;;
+  esac
+}
+
+parse_args() {
+  while (($# > 0)); do
+    case "$1" in
+      -h | --help)
+        usage
+        exit 0
+        ;;
+      --dry-run)
+        DRY_RUN=1
+        shift
+        ;;
+      --skip-hosts-fix)
+        ARG_SKIP_HOSTS_FIX=1
+        shift
+        ;;
+      --neuron-release | --shared-env | --pip-index | --apt-suite | --node-type)
+        if (($# < 2)) || [[ "$2" == --* ]]; then
+          usage_error "$1 requires a value"
+        fi
+        set_option "$1" "$2"
+        shift 2
+        ;;
+      --*=*)
+        set_option "${1%%=*}" "${1#*=}"
+        shift
+        ;;
+      *)
+        usage_error "unknown argument: '$1'"
+        ;;
+    esac
+  done
+  validate_args
+}
+
+validate_args() {
+  [[ -n "${ARG_NEURON_RELEASE}" ]] || usage_error "missing required argument --neuron-release"
+  [[ -n "${ARG_SHARED_ENV}" ]] || usage_error "missing required argument --shared-env"
+  [[ "${ARG_NEURON_RELEASE}" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] ||
+    usage_error "--neuron-release must look like X.Y.Z, got '${ARG_NEURON_RELEASE}'"
+  if [[ "${ARG_NEURON_RELEASE}" != "${NEURON_RELEASE}" ]]; then
+    usage_error "--neuron-release ${ARG_NEURON_RELEASE} does not match the release pinned in this" \
+      "script (${NEURON_RELEASE}); update the pinned block and the cluster arguments together"
+  fi
+  ARG_SHARED_ENV=${ARG_SHARED_ENV%/}
+  [[ "${ARG_SHARED_ENV}" =~ ^/[A-Za-z0-9._/-]+$ ]] ||
+    usage_error "--shared-env must be an absolute path of [A-Za-z0-9._/-], got '${ARG_SHARED_ENV}'"
+  [[ "$(dirname "${ARG_SHARED_ENV}")" != "/" ]] ||
+    usage_error "--shared-env must be below a mount point such as /fsx, got '${ARG_SHARED_ENV}'"
+  [[ "/${ARG_SHARED_ENV}/" != */../* && "/${ARG_SHARED_ENV}/" != */./* ]] ||
+    usage_error "--shared-env must not contain '.' or '..' components, got '${ARG_SHARED_ENV}'"
+  [[ "${ARG_PIP_INDEX}" =~ ^https?://[^[:space:]]+$ ]] ||
+    usage_error "--pip-index must be an http(s) URL, got '${ARG_PIP_INDEX}'"
+  if [[ -n "${ARG_APT_SUITE}" && ! "${ARG_APT_SUITE}" =~ ^[a-z]+$ ]]; then
+    usage_error "--apt-suite must be a lowercase codename such as jammy, got '${ARG_APT_SUITE}'"
+  fi
+  case "${ARG_NODE_TYPE}" in
+    "" | head | compute) ;;
+    *) usage_error "--node-type must be 'head' or 'compute', got '${ARG_NODE_TYPE}'" ;;
+  esac
+}
+
+# ----------------------------------------------------------------------------- detection
+
+# Value of KEY in an os-release style file (quotes removed), empty if absent.
+os_release_value() {
+  local key=$1 line
+  line=$(grep -E "^${key}=" "${OS_RELEASE_FILE}" | tail -n 1) || true
+  line=${line#*=}
+  line=${line#[\"\']}
+  line=${line%[\"\']}
+  printf '%s' "${line}"
+}
+
+detect_os() {
+  [[ -r "${OS_RELEASE_FILE}" ]] || die "cannot read ${OS_RELEASE_FILE} to detect the OS"
+  OS_ID=$(os_release_value ID)
+  OS_VERSION_ID=$(os_release_value VERSION_ID)
+  OS_CODENAME=$(os_release_value VERSION_CODENAME)
+  local default_codename
+  case "${OS_ID}:${OS_VERSION_ID}" in
+    ubuntu:22.04)
+      PYTHON_VERSION="3.10"
+      default_codename="jammy"
+      ;;
+    ubuntu:24.04)
+      PYTHON_VERSION="3.12"
+      default_codename="noble"
+      ;;
+    *)
+      die "unsupported OS '${OS_ID:-unknown} ${OS_VERSION_ID:-unknown}' (from ${OS_RELEASE_FILE}):" \
+        "this script supports only Ubuntu 22.04 and 24.04 (ParallelCluster Image.Os ubuntu2204," \
+        "ubuntu2404)"
+      ;;
+  esac
+  OS_CODENAME=${OS_CODENAME:-${default_codename}}
+  case " ${NEURON_PYTHON_VERSIONS} " in
+    *" ${PYTHON_VERSION} "*) ;;
+    *) die "Python ${PYTHON_VERSION} of ${OS_ID} ${OS_VERSION_ID} is not supported by Neuron" \
+      "${NEURON_RELEASE} (supported: ${NEURON_PYTHON_VERSIONS})" ;;
+  esac
+}
+
+# head, compute or login. ParallelCluster writes cfn_node_type (HeadNode, ComputeFleet, LoginNode;
+# MasterServer before 3.0) into /etc/parallelcluster/cfnconfig before custom actions run. AWS
+# documents that file as internal, so --node-type takes precedence when given.
+detect_node_type() {
+  if [[ -n "${ARG_NODE_TYPE}" ]]; then
+    NODE_TYPE=${ARG_NODE_TYPE}
+    return 0
+  fi
+  [[ -r "${PCLUSTER_CFNCONFIG}" ]] ||
+    die "cannot detect the node type: ${PCLUSTER_CFNCONFIG} is not readable (not a ParallelCluster" \
+      "node?); pass --node-type head|compute"
+  local raw
+  raw=$(sed -n 's/^cfn_node_type=//p' "${PCLUSTER_CFNCONFIG}" | tail -n 1)
+  raw=${raw#[\"\']}
+  raw=${raw%[\"\']}
+  case "${raw}" in
+    HeadNode | MasterServer) NODE_TYPE="head" ;;
+    ComputeFleet) NODE_TYPE="compute" ;;
+    LoginNode) NODE_TYPE="login" ;;
+    "") die "no cfn_node_type in ${PCLUSTER_CFNCONFIG}; pass --node-type head|compute" ;;
+    *) die "unknown cfn_node_type '${raw}' in ${PCLUSTER_CFNCONFIG}; pass --node-type head|compute" ;;
+  esac
+}
+
+require_root() {
+  [[ "${EUID}" -eq 0 ]] || die "must run as root (ParallelCluster runs custom actions as root)"
+}
+
+# ----------------------------------------------------------------------------- /etc/hosts
+
+# trn1 instances have 8 network interfaces and the line that maps the node's own hostname can
+# point at the IP of a secondary interface. Removing it lets the name resolve through DNS
+# (ParallelCluster's Route 53 zone by default). Removes the given names (default: this host's
+# short and full hostname, and any FQDN starting with "<short>.") from every line of HOSTS_FILE;
+# a line left without names is dropped. All other lines are kept byte for byte. Idempotent.
+fix_etc_hosts() {
+  local hosts_file=${HOSTS_FILE} names=("$@") name
+  if ((${#names[@]} == 0)); then
+    names=("$(hostname -s)" "$(hostname)")
+  fi
+  local unique=()
+  for name in "${names[@]}"; do
+    case "${name}" in
+      "" | localhost | localhost.* | ip6-*)
+        log "WARNING: refusing to remove '${name}' from ${hosts_file}"
+        continue
+        ;;
+    esac
+    case " ${unique[*]} " in
+      *" ${name} "*) ;;
+      *) unique+=("${name}") ;;
+    esac
+  done
+  if ((${#unique[@]} == 0)); then
+    log "WARNING: no usable hostname; ${hosts_file} left unchanged"
+    return 0
+  fi
+  names=("${unique[@]}")
+  [[ -f "${hosts_file}" ]] || die "hosts file ${hosts_file} does not exist"
+
+  local tmp
+  tmp=$(mktemp)
+  awk -v names="${names[*]}" '
+    BEGIN {
+      n = split(names, list, " ")
+      for (i = 1; i <= n; i++) { drop[list[i]] = 1; short = list[i]; sub(/\..*/, "", short); drop_prefix[short "."] = 1 }
+    }
+    function is_self(h,   p) {
+      if (h in drop) return 1
+      for (p in drop_prefix) if (index(h, p) == 1) return 1
+      return 0
+    }
+    /^[[:space:]]*(#|$)/ { print; next }
+    {
+      kept = ""; removed = 0; comment = ""
+      for (i = 2; i <= NF; i++) {
+        if (substr($i, 1, 1) == "#") { for (j = i; j <= NF; j++) comment = comment " " $j; break }
+        if (is_self($i)) removed++; else kept = kept " " $i
+      }
+      if (removed == 0) print
+      else if (kept != "") print $1 kept comment
+    }
+  ' "${hosts_file}" >"${tmp}"
+
+  if cmp -s "${hosts_file}" "${tmp}"; then
+    log "${hosts_file}: no line maps ${names[*]}; nothing to change"
+    rm -f "${tmp}"
+    return 0
+  fi
+  if [[ "${DRY_RUN}" == 1 ]]; then
+    local line
+    while IFS= read -r line; do
+      case "${line}" in
+        "< "*) printf 'DRY-RUN: %s: remove line: %s\n' "${hosts_file}" "${line#< }" ;;
+        "> "*) printf 'DRY-RUN: %s: keep as: %s\n' "${hosts_file}" "${line#> }" ;;
+      esac
+    done < <(diff "${hosts_file}" "${tmp}" || true)
+    rm -f "${tmp}"
+    return 0
+  fi
+  # Keep the inode and permissions of the original file (it may be bind-mounted).
+  cat "${tmp}" >"${hosts_file}"
+  rm -f "${tmp}"
+  log "${hosts_file}: removed the lines mapping ${names[*]}"
+}
+
+# ----------------------------------------------------------------------------- compute node
+
+configure_neuron_apt_repo() {
+  local suite=${ARG_APT_SUITE:-${OS_CODENAME}}
+  log "configuring the Neuron apt repository (${NEURON_APT_URL} ${suite})"
+  run install -d -m 0755 "$(dirname "${NEURON_APT_KEYRING}")"
+  if [[ "${DRY_RUN}" == 1 ]]; then
+    printf 'DRY-RUN: fetch %s into %s\n' "${NEURON_APT_KEY_URL}" "${NEURON_APT_KEYRING}"
+  else
+    command -v curl >/dev/null || die "curl is required to fetch the Neuron apt key"
+    local key
+    key=$(mktemp)
+    curl -fsSL --retry 5 --retry-delay 3 --max-time 60 -o "${key}" "${NEURON_APT_KEY_URL}" ||
+      die "cannot download ${NEURON_APT_KEY_URL}"
+    if grep -q -- '-----BEGIN PGP PUBLIC KEY BLOCK-----' "${key}"; then
+      command -v gpg >/dev/null || die "gpg is required to convert the Neuron apt key"
+      gpg --batch --yes --dearmor -o "${NEURON_APT_KEYRING}" "${key}"
+    else
+      install -m 0644 "${key}" "${NEURON_APT_KEYRING}"
+    fi
+    chmod 0644 "${NEURON_APT_KEYRING}"
+    rm -f "${key}"
+  fi
+  write_file "${NEURON_APT_SOURCE}" \
+    "deb [signed-by=${NEURON_APT_KEYRING}] ${NEURON_APT_URL} ${suite} main"
+}
+
+# The Neuron driver is built by DKMS against the running kernel, hence the matching headers.
+# Versions are pinned with a trailing '*' because the runtime and collectives debs carry a build
+# suffix (for example 2.30.51.0-<hash>); the packages are held so unattended upgrades cannot move
+# the driver away from the runtime of this release.
+install_compute_packages() {
+  local pins=() pin names=()
+  for pin in "${NEURON_APT_PINS[@]}"; do
+    pins+=("${pin}*")
+    names+=("${pin%%=*}")
+  done
+  log "installing Neuron ${NEURON_RELEASE} apt packages: ${NEURON_APT_PINS[*]}"
+  apt_get update
+  apt_get install --no-install-recommends --allow-downgrades --allow-change-held-packages \
+    "linux-headers-$(uname -r)" "${pins[@]}"
+  run apt-mark hold "${names[@]}"
+  run modprobe neuron
+  # shellcheck disable=SC2016 # ${PATH} is meant to expand at login, not here
+  write_file "${NEURON_PROFILE_SCRIPT}" 'export PATH="/opt/aws/neuron/bin:${PATH}"'
+  if [[ "${DRY_RUN}" != 1 ]] && ! compgen -G '/dev/neuron*' >/dev/null; then
+    log "WARNING: no /dev/neuron* device after loading the driver (not a Trainium instance?)"
+  fi
+}
+
+check_shared_env_visible() {
+  if shared_env_complete "${ARG_SHARED_ENV}"; then
+    log "shared venv ${ARG_SHARED_ENV} is present"
+  else
+    log "WARNING: shared venv ${ARG_SHARED_ENV} is not (yet) complete; the head node builds it"
+  fi
+}
+
+# ----------------------------------------------------------------------------- head node
+
+# The head node has no Neuron devices, so it gets no Neuron apt packages: no driver (DKMS would
+# build a module that can never load), no runtime/collectives (nothing executes on a NeuronCore
+# there) and no aws-neuronx-tools (neuron-ls/neuron-top need devices). The compiler (neuronx-cc)
+# and neuron_parallel_compile come with the pip packages of the shared venv, and compilation runs
+# inside Slurm jobs on the compute nodes. The head node only needs to create that venv.
+install_head_packages() {
+  log "installing python${PYTHON_VERSION}-venv and g++ to build the shared venv"
+  apt_get update
+  apt_get install --no-install-recommends "python${PYTHON_VERSION}-venv" g++
+}
+
+shared_env_complete() {
+  local dir=$1
+  [[ -x "${dir}/bin/python" && -f "${dir}/${ENV_MARKER}" ]] &&
+    grep -qx "neuron_release=${NEURON_RELEASE}" "${dir}/${ENV_MARKER}"
+}
+
+# Fail unless the installed versions equal the pins (pip must not have picked anything else, e.g.
+# the placeholder packages of the same names on PyPI). A local version label is ignored, as pip
+# does for '==': Neuron wheels such as neuronx-cc carry one (2.x.y.z+<hash>).
+verify_pip_versions() {
+  local python=$1
+  "${python}" - "${NEURON_PIP_PINS[@]}" <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+wrong = []
+for pin in sys.argv[1:]:
+    name, wanted = pin.split("==")
+    try:
+        found = version(name)
+    except PackageNotFoundError:
+        found = "not installed"
+    if found.split("+", 1)[0] != wanted:
+        wrong.append(f"{name}: wanted {wanted}, found {found}")
+if wrong:
+    sys.exit("pinned Neuron packages mismatch: " + "; ".join(wrong))
+PY
+}
+
+install_pip_packages() {
+  local python=$1
+  local pip=("${python}" -m pip install --no-cache-dir --disable-pip-version-check --timeout 60 --retries 5)
+  run "${pip[@]}" --upgrade pip
+  run "${pip[@]}" --extra-index-url "${ARG_PIP_INDEX}" "${NEURON_PIP_PINS[@]}"
+}
+
+# Remove venv builds that an interrupted run left behind. Caller holds the lock. The directory
+# the symlink currently points at is kept: jobs may still be using it.
+remove_stale_builds() {
+  local parent=$1 name=$2 dir current
+  current=$(readlink "${parent}/${name}" 2>/dev/null) || current=""
+  for dir in "${parent}/.${name}.env-"*; do
+    [[ -d "${dir}" ]] || continue
+    [[ "$(basename "${dir}")" != "${current}" ]] || continue
+    log "removing stale build ${dir}"
+    rm -rf -- "${dir}"
+  done
+}
+
+# Build the shared venv once. A venv cannot be renamed after pip has run (scripts in bin/ and
+# bin/activate hold its absolute path), so it is built in a hidden sibling directory that keeps
+# its name, and is published by atomically renaming a symlink onto --shared-env as the very last
+# step. An interrupted build therefore never appears at --shared-env, and the next run removes it.
+# A lock file next to it (flock; ParallelCluster mounts FSx for Lustre with -o flock) serialises
+# concurrent or repeated runs.
+build_shared_env() {
+  local target=${ARG_SHARED_ENV}
+  local parent name
+  parent=$(dirname "${target}")
+  name=$(basename "${target}")
+  local lock_file="${parent}/.${name}.lock"
+
+  if shared_env_complete "${target}"; then
+    log "shared venv ${target} is already complete; nothing to do"
+    return 0
+  fi
+  if [[ "${DRY_RUN}" == 1 ]]; then
+    local build="${parent}/.${name}.env-XXXXXXXX"
+    run mkdir -p "${parent}"
+    run flock -w "${LOCK_TIMEOUT_SECONDS}" "${lock_file}"
+    run "python${PYTHON_VERSION}" -m venv "${build}"
+    install_pip_packages "${build}/bin/python"
+    run ln -sfn "$(basename "${build}")" "${target}"
+    return 0
+  fi
+
+  mkdir -p "${parent}"
+  local fs_type
+  fs_type=$(stat -f -c %T "${parent}" 2>/dev/null || echo unknown)
+  [[ "${fs_type}" == lustre ]] ||
+    log "WARNING: ${parent} is on '${fs_type}', not Lustre; compute nodes may not see the venv"
+
+  local lock_fd
+  exec {lock_fd}>>"${lock_file}"
+  log "waiting for ${lock_file}"
+  flock -w "${LOCK_TIMEOUT_SECONDS}" "${lock_fd}" ||
+    die "timed out after ${LOCK_TIMEOUT_SECONDS}s waiting for ${lock_file} (another build running?)"
+
+  if shared_env_complete "${target}"; then
+    log "shared venv ${target} was completed by another run"
+    exec {lock_fd}>&-
+    return 0
+  fi
+  if [[ -e "${target}" && ! -L "${target}" ]]; then
+    die "${target} exists but is not a complete venv of Neuron ${NEURON_RELEASE} built by this" \
+      "script; remove it or choose another --shared-env"
+  fi
+  remove_stale_builds "${parent}" "${name}"
+
+  local build
+  build=$(mktemp -d "${parent}/.${name}.env-XXXXXXXX")
+  BUILD_DIR_IN_PROGRESS=${build}
+  chmod 0755 "${build}"
+  log "building the shared venv in ${build}"
+  "python${PYTHON_VERSION}" -m venv "${build}"
+  install_pip_packages "${build}/bin/python"
+  verify_pip_versions "${build}/bin/python"
+  "${build}/bin/python" -m pip check || log "WARNING: pip check reports dependency problems"
+  # Lets later installs into user venvs keep these versions: pip install -c <file> ...
+  "${build}/bin/python" -m pip freeze --all >"${build}/neuron-constraints.txt"
+  printf 'neuron_release=%s\nbuilt=%s\n' "${NEURON_RELEASE}" "$(date -u '+%Y-%m-%dT%H:%M:%SZ')" \
+    >"${build}/${ENV_MARKER}"
+
+  local link="${parent}/.${name}.link-$$"
+  ln -sfn "$(basename "${build}")" "${link}"
+  mv -T -f "${link}" "${target}"
+  BUILD_DIR_IN_PROGRESS=""
+  exec {lock_fd}>&-
+  log "shared venv ready: ${target} -> $(basename "${build}")"
+}
+
+# ----------------------------------------------------------------------------- main
+
+on_exit() {
+  local status=$?
+  if [[ -n "${BUILD_DIR_IN_PROGRESS}" && -d "${BUILD_DIR_IN_PROGRESS}" ]]; then
+    log "removing the unfinished build ${BUILD_DIR_IN_PROGRESS}"
+    rm -rf -- "${BUILD_DIR_IN_PROGRESS}"
+  fi
+  if ((status != 0)); then
+    log "FAILED with exit status ${status} after ${SECONDS}s"
+  fi
+}
+
+main() {
+  set -E
+  trap 'log "ERROR: command failed (exit $?) at line ${LINENO}: ${BASH_COMMAND}"' ERR
+  trap on_exit EXIT
+  umask 022
+  export HOME="${HOME:-/root}"
+
+  parse_args "$@"
+  detect_os
+  detect_node_type
+  if [[ "${DRY_RUN}" != 1 ]]; then
+    require_root
+  fi
+  local mode="installing"
+  if [[ "${DRY_RUN}" == 1 ]]; then
+    mode="dry run"
+  fi
+  log "Neuron ${NEURON_RELEASE}, node type ${NODE_TYPE}, ${OS_ID} ${OS_VERSION_ID} (${OS_CODENAME})," \
+    "shared venv ${ARG_SHARED_ENV}, ${mode}"
+
+  case "${NODE_TYPE}" in
+    head)
+      install_head_packages
+      build_shared_env
+      ;;
+    compute)
+      configure_neuron_apt_repo
+      install_compute_packages
+      if [[ "${ARG_SKIP_HOSTS_FIX}" == 1 ]]; then
+        log "skipping the ${HOSTS_FILE} fix (--skip-hosts-fix)"
+      else
+        fix_etc_hosts "$(hostname -s)" "$(hostname)"
+      fi
+      check_shared_env_visible
+      ;;
+    login)
+      log "login node: nothing to install (it uses the shared venv)"
+      ;;
+  esac
+  log "done in ${SECONDS}s"
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  main "$@"
+fi

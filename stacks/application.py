@@ -1,0 +1,29 @@
+"""Build the CDK app for one environment; shared by `app.py` and the tests so both synthesize the same."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aws_cdk import App, Validations
+from cdk_nag import AwsSolutionsChecks
+
+from stacks.config import EnvironmentConfig, load_environment
+from stacks.nag import acknowledge_reviewed_findings
+from stacks.training_environment import TrainingEnvironmentStack
+
+ENVIRONMENTS_DIR = Path(__file__).resolve().parent.parent / "environments"
+DEFAULT_ENVIRONMENT = "default"
+
+
+def build_app(app: App, config: EnvironmentConfig) -> TrainingEnvironmentStack:
+    """Add the environment's stack and the cdk-nag AwsSolutions checks with their reviewed acknowledgements."""
+    stack = TrainingEnvironmentStack(app, config=config)
+    acknowledge_reviewed_findings(stack)
+    Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+    return stack
+
+
+def environment_from_context(app: App, directory: Path = ENVIRONMENTS_DIR) -> EnvironmentConfig:
+    """The environment chosen with `-c env=NAME` (default: `default`)."""
+    name = app.node.try_get_context("env") or DEFAULT_ENVIRONMENT
+    return load_environment(str(name), directory)

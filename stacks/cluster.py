@@ -1,0 +1,147 @@
+"""Cluster: node IAM policies, the pinned ParallelCluster provider and the Custom::PclusterCluster."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from aws_cdk import (
+    CfnStack,
+    CustomResource,
+    Fn,
+    RemovalPolicy,
+)
+from aws_cdk import (
+    aws_ec2 as ec2,
+)
+from aws_cdk import (
+    aws_fsx as fsx,
+)
+from aws_cdk import (
+    aws_iam as iam,
+)
+from aws_cdk import (
+    aws_s3 as s3,
+)
+from aws_cdk import (
+    aws_s3_assets as s3_assets,
+)
+from constructs import Construct
+
+from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
+from stacks.pcluster_config import ClusterResources, build_cluster_configuration
+
+BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "node" / "on_node_configured.sh"
+# ParallelCluster's provider may attach only policies under this path (or named parallelcluster*).
+PARALLELCLUSTER_POLICY_PATH = "/parallelcluster/"
+
+
+def provider_template_url(version: str) -> str:
+    """Where ParallelCluster publishes its CloudFormation custom-resource provider for `version`."""
+    return Fn.sub(
+        "https://${AWS::Region}-aws-parallelcluster.s3.${AWS::Region}.${AWS::URLSuffix}"
+        f"/parallelcluster/{version}/templates/custom_resource/cluster.yaml"
+    )
+
+
+def pinned_neuron_release(script: str) -> str:
+    """The Neuron SDK release the bootstrap script pins; the script is the one place it is written."""
+    match = re.search(r'^NEURON_RELEASE="([0-9.]+)"$', script, flags=re.MULTILINE)
+    if match is None:
+        raise ValueError("the bootstrap script pins no NEURON_RELEASE")
+    return match.group(1)
+
+
+def bootstrap_arguments(config: EnvironmentConfig, neuron_release: str) -> tuple[str, ...]:
+    """Arguments of the OnNodeConfigured script; the shared environment lives on the file system."""
+    return (
+        "--neuron-release",
+        neuron_release,
+        "--shared-env",
+        f"{config.storage.mount_dir}/envs/neuron-{neuron_release}",
+    )
+
+
+class Cluster(Construct):
+    """The ParallelCluster cluster, created and deleted with the stack (never retained)."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: EnvironmentConfig,
+        head_node_subnet: ec2.ISubnet,
+        compute_subnet: ec2.ISubnet,
+        security_group: ec2.ISecurityGroup,
+        file_system: fsx.LustreFileSystem,
+        bucket: s3.IBucket,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        self.bootstrap_script = s3_assets.Asset(self, "BootstrapScript", path=str(BOOTSTRAP_SCRIPT))
+        self.head_node_policy = self._node_policy("HeadNodePolicy", config, bucket, write=True)
+        self.compute_node_policy = self._node_policy("ComputeNodePolicy", config, bucket, write=False)
+
+        self.provider = CfnStack(
+            self,
+            "Provider",
+            template_url=provider_template_url(PARALLELCLUSTER_VERSION),
+        )
+        resources = ClusterResources(
+            head_node_subnet_id=head_node_subnet.subnet_id,
+            compute_subnet_id=compute_subnet.subnet_id,
+            security_group_id=security_group.security_group_id,
+            file_system_id=file_system.file_system_id,
+            head_node_policy_arn=self.head_node_policy.managed_policy_arn,
+            compute_node_policy_arn=self.compute_node_policy.managed_policy_arn,
+            bootstrap_script_url=self.bootstrap_script.s3_object_url,
+            bootstrap_args=bootstrap_arguments(config, pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())),
+        )
+        self.resource = CustomResource(
+            self,
+            "Resource",
+            resource_type="Custom::PclusterCluster",
+            service_token=self.provider.get_att("Outputs.ServiceToken").to_string(),
+            properties={
+                "ClusterName": config.cluster_name,
+                "ClusterConfiguration": build_cluster_configuration(config, resources),
+                "DeletionPolicy": "Delete",
+            },
+            removal_policy=RemovalPolicy.DESTROY,
+        )
+        # Nodes download the Neuron SDK while bootstrapping: the NAT route must exist before the cluster.
+        self.resource.node.add_dependency(compute_subnet.internet_connectivity_established)
+        self.head_node_instance_id = self.resource.get_att_string("headNode.instanceId")
+
+    def _node_policy(
+        self, construct_id: str, config: EnvironmentConfig, bucket: s3.IBucket, *, write: bool
+    ) -> iam.ManagedPolicy:
+        """Least privilege for cluster nodes: this bucket, the bootstrap script, this environment's metrics."""
+        object_actions = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"] if write else ["s3:GetObject"]
+        return iam.ManagedPolicy(
+            self,
+            construct_id,
+            path=PARALLELCLUSTER_POLICY_PATH,
+            description=f"{'Head' if write else 'Compute'} nodes of {config.cluster_name}",
+            statements=[
+                iam.PolicyStatement(actions=["s3:ListBucket"], resources=[bucket.bucket_arn]),
+                iam.PolicyStatement(actions=object_actions, resources=[bucket.arn_for_objects("*")]),
+                iam.PolicyStatement(
+                    actions=["s3:GetObject"],
+                    resources=[
+                        Fn.sub(
+                            "arn:${AWS::Partition}:s3:::${Bucket}/${Key}",
+                            {
+                                "Bucket": self.bootstrap_script.s3_bucket_name,
+                                "Key": self.bootstrap_script.s3_object_key,
+                            },
+                        )
+                    ],
+                ),
+                iam.PolicyStatement(
+                    actions=["cloudwatch:PutMetricData"],
+                    resources=["*"],
+                    conditions={"StringEquals": {"cloudwatch:namespace": f"Trainium/{config.name}"}},
+                ),
+            ],
+        )

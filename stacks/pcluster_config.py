@@ -1,0 +1,115 @@
+"""The ParallelCluster cluster configuration, built as a plain dict from the typed environment.
+
+Kept free of CDK so it can be unit-tested and validated by the real `aws-parallelcluster` schema: the
+values in `ClusterResources` may be CloudFormation tokens at synth time and placeholder ids in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from stacks.config import EnvironmentConfig
+
+SSM_MANAGED_INSTANCE_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
+
+
+@dataclass(frozen=True)
+class ClusterResources:
+    """Ids of resources created outside the cluster that its configuration refers to."""
+
+    head_node_subnet_id: str
+    compute_subnet_id: str
+    security_group_id: str
+    file_system_id: str
+    head_node_policy_arn: str
+    compute_node_policy_arn: str
+    bootstrap_script_url: str
+    bootstrap_args: tuple[str, ...]
+
+
+def build_cluster_configuration(config: EnvironmentConfig, resources: ClusterResources) -> dict[str, Any]:
+    """The `ClusterConfiguration` object of `Custom::PclusterCluster` (same shape as the cluster YAML)."""
+    compute = config.compute
+    bootstrap = {"OnNodeConfigured": {"Script": resources.bootstrap_script_url, "Args": list(resources.bootstrap_args)}}
+    head_node: dict[str, Any] = {
+        "InstanceType": config.head_node.instance_type,
+        "Networking": {
+            "SubnetId": resources.head_node_subnet_id,
+            # Our own group replaces the one ParallelCluster would create, which opens SSH to AllowedIps.
+            "SecurityGroups": [resources.security_group_id],
+        },
+        "LocalStorage": {"RootVolume": {"Size": config.head_node.root_volume_gib, "Encrypted": True}},
+        "Iam": {
+            "AdditionalIamPolicies": [
+                {"Policy": SSM_MANAGED_INSTANCE_CORE},
+                {"Policy": resources.head_node_policy_arn},
+            ]
+        },
+        "CustomActions": bootstrap,
+        "Imds": {"Secured": True},
+    }
+    if config.network.ssh_key_name:
+        head_node["Ssh"] = {"KeyName": config.network.ssh_key_name}
+    queue = {
+        "Name": compute.queue_name,
+        "CapacityType": compute.capacity_type,
+        "Networking": {
+            "SubnetIds": [resources.compute_subnet_id],
+            "SecurityGroups": [resources.security_group_id],
+            "PlacementGroup": {"Enabled": compute.placement_group_enabled},
+        },
+        "ComputeSettings": {"LocalStorage": {"RootVolume": {"Size": compute.root_volume_gib, "Encrypted": True}}},
+        "ComputeResources": [
+            {
+                "Name": _compute_resource_name(compute.instance_type),
+                "InstanceType": compute.instance_type,
+                "MinCount": compute.min_count,
+                "MaxCount": compute.max_count,
+                "Efa": {"Enabled": compute.efa},
+            }
+        ],
+        "CustomActions": bootstrap,
+        "Iam": {"AdditionalIamPolicies": [{"Policy": resources.compute_node_policy_arn}]},
+        # Trainium jobs own whole nodes; sharing a node between jobs would split its NeuronCores.
+        "JobExclusiveAllocation": True,
+    }
+    cluster: dict[str, Any] = {
+        "Region": config.region,
+        "Image": {"Os": config.os},
+        "HeadNode": head_node,
+        "Scheduling": {
+            "Scheduler": "slurm",
+            "SlurmSettings": {
+                "ScaledownIdletime": compute.scaledown_idle_minutes,
+                "QueueUpdateStrategy": "TERMINATE",
+            },
+            "SlurmQueues": [queue],
+        },
+        "SharedStorage": [
+            {
+                "Name": "fsx",
+                "StorageType": "FsxLustre",
+                "MountDir": config.storage.mount_dir,
+                "FsxLustreSettings": {"FileSystemId": resources.file_system_id},
+            }
+        ],
+        "Monitoring": {
+            "Logs": {
+                "CloudWatch": {
+                    "Enabled": True,
+                    "RetentionInDays": config.logging.retention_days,
+                    "DeletionPolicy": "Delete",
+                }
+            },
+            "Dashboards": {"CloudWatch": {"Enabled": True}},
+        },
+    }
+    if config.tags:
+        cluster["Tags"] = [{"Key": key, "Value": value} for key, value in sorted(config.tags.items())]
+    return cluster
+
+
+def _compute_resource_name(instance_type: str) -> str:
+    """ParallelCluster compute resource names allow letters, digits and '-' only."""
+    return instance_type.replace(".", "-")

@@ -1,0 +1,75 @@
+"""Storage: the results bucket that outlives the stack, and the scratch Lustre file system linked to it."""
+
+from __future__ import annotations
+
+from aws_cdk import RemovalPolicy
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_fsx as fsx
+from aws_cdk import aws_s3 as s3
+from constructs import Construct
+
+from stacks.config import EnvironmentConfig
+
+# Lustre server ports FSx documents for client and intra-file-system traffic.
+LUSTRE_PORTS = (ec2.Port.tcp(988), ec2.Port.tcp_range(1018, 1023))
+
+
+class Storage(Construct):
+    """S3 results bucket (kept on destroy) and FSx for Lustre SCRATCH_2 importing from / exporting to it.
+
+    The file system is created here rather than by ParallelCluster so that a cluster update can never
+    replace it, and passed to the cluster by id.
+    """
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: EnvironmentConfig,
+        vpc: ec2.IVpc,
+        subnet: ec2.ISubnet,
+        client_security_group: ec2.ISecurityGroup,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        self.bucket = s3.Bucket(
+            self,
+            "Results",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            versioned=True,
+            object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+
+        self.file_system_security_group = ec2.SecurityGroup(
+            self,
+            "FileSystemSecurityGroup",
+            vpc=vpc,
+            description="FSx for Lustre: Lustre ports from cluster nodes",
+            allow_all_outbound=True,
+        )
+        # Traffic between the file servers themselves is opened by LustreFileSystem (988-1023 within the group).
+        for port in LUSTRE_PORTS:
+            self.file_system_security_group.add_ingress_rule(client_security_group, port, "Lustre from cluster nodes")
+
+        repository = f"s3://{self.bucket.bucket_name}/{config.storage.fsx_s3_prefix}"
+        self.file_system = fsx.LustreFileSystem(
+            self,
+            "FileSystem",
+            vpc=vpc,
+            vpc_subnet=subnet,
+            security_group=self.file_system_security_group,
+            storage_capacity_gib=config.storage.fsx_capacity_gib,
+            lustre_configuration=fsx.LustreConfiguration(
+                deployment_type=fsx.LustreDeploymentType.SCRATCH_2,
+                import_path=repository,
+                export_path=repository,
+                auto_import_policy=fsx.LustreAutoImportPolicy.NEW_CHANGED_DELETED,
+            ),
+            removal_policy=RemovalPolicy.DESTROY,
+        )
+        # FSx reads the bucket when it is created, so the bucket policy must exist first.
+        if self.bucket.policy is not None:
+            self.file_system.node.add_dependency(self.bucket.policy)

@@ -1,0 +1,526 @@
+"""Tests of the ParallelCluster OnNodeConfigured script, run for real with bash on this machine.
+
+Nothing here installs anything: the script runs with --dry-run, or its functions are called after
+`source` with the system-changing steps replaced by stubs. The OS, node type and hosts files are
+temporary files passed through OS_RELEASE_FILE, PCLUSTER_CFNCONFIG and HOSTS_FILE.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "assets" / "node" / "on_node_configured.sh"
+BASH = shutil.which("bash") or "/bin/bash"
+
+RELEASE = "2.28.1"
+APT_PINS = {
+    "aws-neuronx-dkms": "2.26.10.0",
+    "aws-neuronx-collectives": "2.30.59.0",
+    "aws-neuronx-runtime-lib": "2.30.51.0",
+    "aws-neuronx-tools": "2.28.23.0",
+}
+PIP_PINS = {
+    "torch-neuronx": "2.9.0.2.12.22436",
+    "neuronx-cc": "2.23.6484.0",
+    "neuronx-distributed": "0.17.26814",
+}
+SHARED_ENV = f"/fsx/envs/neuron-{RELEASE}"
+REQUIRED_ARGS = ["--neuron-release", RELEASE, "--shared-env", SHARED_ENV]
+
+UBUNTU_2204 = 'NAME="Ubuntu"\nID=ubuntu\nID_LIKE=debian\nVERSION_ID="22.04"\nVERSION_CODENAME=jammy\n'
+UBUNTU_2404 = 'NAME="Ubuntu"\nID=ubuntu\nID_LIKE=debian\nVERSION_ID="24.04"\nVERSION_CODENAME=noble\n'
+UBUNTU_2004 = 'NAME="Ubuntu"\nID=ubuntu\nID_LIKE=debian\nVERSION_ID="20.04"\nVERSION_CODENAME=focal\n'
+AMAZON_LINUX_2023 = 'NAME="Amazon Linux"\nID="amzn"\nID_LIKE="fedora"\nVERSION_ID="2023"\n'
+
+HOSTS = textwrap.dedent(
+    """\
+    127.0.0.1 localhost
+    # The following lines are desirable for IPv6 capable hosts
+    ::1 ip6-localhost ip6-loopback
+    10.0.1.23 queue1-st-trn1-1.mycluster.pcluster queue1-st-trn1-1
+    10.0.1.24 queue1-st-trn1-10.mycluster.pcluster queue1-st-trn1-10
+    10.0.0.10 head-node.example internal-service
+    """
+)
+
+
+@pytest.fixture
+def node_files(tmp_path: Path):
+    """Write an os-release and a cfnconfig for a given OS and ParallelCluster node type."""
+
+    def make(os_release: str = UBUNTU_2204, cfn_node_type: str | None = "HeadNode") -> dict[str, str]:
+        os_file = tmp_path / "os-release"
+        os_file.write_text(os_release)
+        cfnconfig = tmp_path / "cfnconfig"
+        lines = ["stack_name=mycluster", "cfn_region=us-west-2"]
+        if cfn_node_type is not None:
+            lines.append(f"cfn_node_type={cfn_node_type}")
+        cfnconfig.write_text("\n".join([*lines, "cfn_cluster_user=ubuntu", ""]))
+        hosts = tmp_path / "hosts"
+        hosts.write_text(HOSTS)
+        return {
+            "OS_RELEASE_FILE": str(os_file),
+            "PCLUSTER_CFNCONFIG": str(cfnconfig),
+            "HOSTS_FILE": str(hosts),
+        }
+
+    return make
+
+
+def run_script(args: list[str], env_overrides: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **env_overrides}
+    return subprocess.run([BASH, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def run_sourced(snippet: str, env_overrides: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Source the script (main does not run) and execute `snippet` in the same shell."""
+    env = {**os.environ, **(env_overrides or {})}
+    return subprocess.run(
+        [BASH, "-c", f'source "$1"\n{snippet}', "bash", str(SCRIPT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def dry_run_commands(stdout: str) -> list[str]:
+    return [line.removeprefix("DRY-RUN: ") for line in stdout.splitlines() if line.startswith("DRY-RUN: ")]
+
+
+# ----------------------------------------------------------------------------- static checks
+
+
+def test_script_is_executable_bash_with_strict_mode() -> None:
+    text = SCRIPT.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert "\nset -euo pipefail\n" in text
+    assert os.access(SCRIPT, os.X_OK), "ParallelCluster runs the script directly; it must be executable"
+
+
+def test_bash_syntax() -> None:
+    result = subprocess.run([BASH, "-n", str(SCRIPT)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def test_shellcheck() -> None:
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck is not on PATH: apt-get install shellcheck")
+    result = subprocess.run([shellcheck, "--severity=style", str(SCRIPT)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_pinned_block_matches_the_release_artifacts() -> None:
+    text = SCRIPT.read_text()
+    assert f'NEURON_RELEASE="{RELEASE}"' in text
+    for variable, version in {
+        "NEURON_DKMS_VERSION": APT_PINS["aws-neuronx-dkms"],
+        "NEURON_COLLECTIVES_VERSION": APT_PINS["aws-neuronx-collectives"],
+        "NEURON_RUNTIME_LIB_VERSION": APT_PINS["aws-neuronx-runtime-lib"],
+        "NEURON_TOOLS_VERSION": APT_PINS["aws-neuronx-tools"],
+        "NEURON_TORCH_NEURONX_VERSION": PIP_PINS["torch-neuronx"],
+        "NEURON_NEURONX_CC_VERSION": PIP_PINS["neuronx-cc"],
+        "NEURON_NEURONX_DISTRIBUTED_VERSION": PIP_PINS["neuronx-distributed"],
+    }.items():
+        assert re.search(rf'^{variable}="{re.escape(version)}"', text, re.MULTILINE), variable
+
+
+# ----------------------------------------------------------------------------- /etc/hosts fix
+
+
+def test_hosts_fix_removes_only_the_own_hostname_line(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text(HOSTS)
+    result = run_sourced("fix_etc_hosts queue1-st-trn1-1", {"HOSTS_FILE": str(hosts)})
+    assert result.returncode == 0, result.stderr
+    expected = HOSTS.replace("10.0.1.23 queue1-st-trn1-1.mycluster.pcluster queue1-st-trn1-1\n", "")
+    assert hosts.read_text() == expected
+    # A hostname that merely starts with the same characters is another node and must stay.
+    assert "queue1-st-trn1-10" in hosts.read_text()
+    assert "removed" in result.stderr
+
+
+def test_hosts_fix_is_idempotent(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text(HOSTS)
+    first = run_sourced("fix_etc_hosts queue1-st-trn1-1", {"HOSTS_FILE": str(hosts)})
+    after_first = hosts.read_bytes()
+    second = run_sourced("fix_etc_hosts queue1-st-trn1-1", {"HOSTS_FILE": str(hosts)})
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert hosts.read_bytes() == after_first
+    assert "nothing to change" in second.stderr
+
+
+def test_hosts_fix_keeps_other_names_on_a_shared_line(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.1.1 node-a.example node-a other-alias\n10.0.0.2 node-b\n")
+    result = run_sourced("fix_etc_hosts node-a", {"HOSTS_FILE": str(hosts)})
+    assert result.returncode == 0, result.stderr
+    assert hosts.read_text() == "127.0.0.1 localhost\n127.0.1.1 other-alias\n10.0.0.2 node-b\n"
+
+
+def test_hosts_fix_keeps_the_file_inode(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text(HOSTS)
+    inode = hosts.stat().st_ino
+    result = run_sourced("fix_etc_hosts queue1-st-trn1-1", {"HOSTS_FILE": str(hosts)})
+    assert result.returncode == 0, result.stderr
+    assert hosts.stat().st_ino == inode, "/etc/hosts may be bind-mounted: rewrite in place, do not replace"
+
+
+def test_hosts_fix_dry_run_reports_but_does_not_change(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text(HOSTS)
+    result = run_sourced("DRY_RUN=1\nfix_etc_hosts queue1-st-trn1-1", {"HOSTS_FILE": str(hosts)})
+    assert result.returncode == 0, result.stderr
+    assert hosts.read_text() == HOSTS
+    assert "remove line: 10.0.1.23 queue1-st-trn1-1.mycluster.pcluster queue1-st-trn1-1" in result.stdout
+
+
+def test_hosts_fix_never_removes_localhost(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text(HOSTS)
+    result = run_sourced("fix_etc_hosts localhost", {"HOSTS_FILE": str(hosts)})
+    assert result.returncode == 0, result.stderr
+    assert "refusing to remove 'localhost'" in result.stderr
+    assert hosts.read_text() == HOSTS
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def test_help_documents_the_cli(node_files) -> None:
+    result = run_script(["--help"], node_files())
+    assert result.returncode == 0
+    for option in ("--neuron-release", "--shared-env", "--pip-index", "--node-type", "--dry-run"):
+        assert option in result.stdout
+
+
+def test_unknown_argument_is_rejected(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--dry-run", "--bogus"], node_files())
+    assert result.returncode == 2
+    assert "unknown argument: '--bogus'" in result.stderr
+    assert "DRY-RUN" not in result.stdout, "nothing may run after an argument error"
+
+
+def test_unknown_positional_argument_is_rejected(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--dry-run", "extra"], node_files())
+    assert result.returncode == 2
+    assert "unknown argument: 'extra'" in result.stderr
+
+
+@pytest.mark.parametrize("missing", ["--neuron-release", "--shared-env"])
+def test_missing_required_argument(node_files, missing: str) -> None:
+    args = ["--neuron-release", RELEASE, "--shared-env", SHARED_ENV]
+    index = args.index(missing)
+    del args[index : index + 2]
+    result = run_script([*args, "--dry-run"], node_files())
+    assert result.returncode == 2
+    assert f"missing required argument {missing}" in result.stderr
+
+
+def test_option_without_value_is_rejected(node_files) -> None:
+    result = run_script(["--shared-env", SHARED_ENV, "--neuron-release", "--dry-run"], node_files())
+    assert result.returncode == 2
+    assert "--neuron-release requires a value" in result.stderr
+
+
+def test_release_other_than_the_pinned_one_is_rejected(node_files) -> None:
+    result = run_script(["--neuron-release", "2.27.0", "--shared-env", SHARED_ENV, "--dry-run"], node_files())
+    assert result.returncode == 2
+    assert f"does not match the release pinned in this script ({RELEASE})" in result.stderr
+
+
+@pytest.mark.parametrize("shared_env", ["fsx/envs/neuron", "/fsx", "/fsx/../etc/venv", "/fsx/my env"])
+def test_invalid_shared_env_is_rejected(node_files, shared_env: str) -> None:
+    result = run_script(["--neuron-release", RELEASE, "--shared-env", shared_env, "--dry-run"], node_files())
+    assert result.returncode == 2
+    assert "--shared-env" in result.stderr
+
+
+def test_equals_form_of_options_is_accepted(node_files) -> None:
+    args = [f"--neuron-release={RELEASE}", f"--shared-env={SHARED_ENV}", "--pip-index=https://mirror.example/simple"]
+    result = run_script([*args, "--dry-run"], node_files())
+    assert result.returncode == 0, result.stderr
+    assert "--extra-index-url https://mirror.example/simple" in result.stdout
+
+
+# ----------------------------------------------------------------------------- OS and node type
+
+
+@pytest.mark.parametrize(("os_release", "shown"), [(UBUNTU_2004, "ubuntu 20.04"), (AMAZON_LINUX_2023, "amzn 2023")])
+def test_unsupported_os_is_rejected(node_files, os_release: str, shown: str) -> None:
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], node_files(os_release=os_release))
+    assert result.returncode == 1
+    assert f"unsupported OS '{shown}'" in result.stderr
+    assert "Ubuntu 22.04 and 24.04" in result.stderr
+    assert "DRY-RUN" not in result.stdout
+
+
+def test_missing_os_release_file_is_reported(node_files, tmp_path: Path) -> None:
+    env = {**node_files(), "OS_RELEASE_FILE": str(tmp_path / "absent")}
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], env)
+    assert result.returncode == 1
+    assert "cannot read" in result.stderr
+
+
+def test_node_type_missing_from_cfnconfig_is_reported(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], node_files(cfn_node_type=None))
+    assert result.returncode == 1
+    assert "no cfn_node_type" in result.stderr
+
+
+def test_unknown_node_type_is_reported(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], node_files(cfn_node_type="Toaster"))
+    assert result.returncode == 1
+    assert "unknown cfn_node_type 'Toaster'" in result.stderr
+
+
+def test_login_node_installs_nothing(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], node_files(cfn_node_type="LoginNode"))
+    assert result.returncode == 0, result.stderr
+    assert dry_run_commands(result.stdout) == []
+    assert "login node" in result.stderr
+
+
+# ----------------------------------------------------------------------------- dry runs
+
+
+@pytest.mark.parametrize(("os_release", "python"), [(UBUNTU_2204, "python3.10"), (UBUNTU_2404, "python3.12")])
+def test_dry_run_head_node(node_files, os_release: str, python: str) -> None:
+    env = node_files(os_release=os_release, cfn_node_type="HeadNode")
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], env)
+    assert result.returncode == 0, result.stderr
+    commands = dry_run_commands(result.stdout)
+    pip_installs = [c for c in commands if " -m pip install " in c and "--extra-index-url" in c]
+    assert len(pip_installs) == 1, commands
+    install = pip_installs[0]
+    for name, version in PIP_PINS.items():
+        assert f"{name}=={version}" in install.split()
+    assert "--extra-index-url https://pip.repos.neuron.amazonaws.com" in install
+    # Built in a hidden sibling of the shared env, published by a symlink, under a lock.
+    assert install.startswith(f"/fsx/envs/.neuron-{RELEASE}.env-")
+    assert any(c.startswith(f"{python} -m venv /fsx/envs/.neuron-{RELEASE}.env-") for c in commands)
+    assert any(c.startswith("flock ") and c.endswith(f"/fsx/envs/.neuron-{RELEASE}.lock") for c in commands)
+    assert commands[-1].startswith("ln -sfn ") and commands[-1].endswith(f" {SHARED_ENV}")
+    # No Neuron devices on the head node: no driver, runtime or tools.
+    assert "aws-neuronx" not in result.stdout
+    assert any(f"{python}-venv" in c for c in commands)
+    # The /etc/hosts fix is for compute nodes only.
+    assert Path(env["HOSTS_FILE"]).read_text() == HOSTS
+    assert "remove line" not in result.stdout
+
+
+@pytest.mark.parametrize(("os_release", "suite"), [(UBUNTU_2204, "jammy"), (UBUNTU_2404, "noble")])
+def test_dry_run_compute_node(node_files, os_release: str, suite: str) -> None:
+    env = node_files(os_release=os_release, cfn_node_type="ComputeFleet")
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], env)
+    assert result.returncode == 0, result.stderr
+    commands = dry_run_commands(result.stdout)
+    installs = [c for c in commands if " apt-get " in f" {c} " and " install " in c]
+    assert len(installs) == 1, commands
+    words = installs[0].split()
+    for name, version in APT_PINS.items():
+        assert f"{name}={version}\\*" in words, f"{name} is not pinned to {version}"
+    assert any(w.startswith("linux-headers-") for w in words)
+    assert f"apt-mark hold {' '.join(APT_PINS)}" in commands
+    assert (
+        "write /etc/apt/sources.list.d/neuron.list: deb [signed-by=/etc/apt/keyrings/aws-neuron.gpg] "
+        f"https://apt.repos.neuron.amazonaws.com {suite} main"
+    ) in commands
+    # The shared venv is the head node's job.
+    assert "pip install" not in result.stdout
+    assert "-m venv" not in result.stdout
+    # A dry run never touches the hosts file.
+    assert Path(env["HOSTS_FILE"]).read_text() == HOSTS
+
+
+def test_node_type_argument_overrides_cfnconfig(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--dry-run", "--node-type", "compute"], node_files(cfn_node_type="HeadNode"))
+    assert result.returncode == 0, result.stderr
+    assert "aws-neuronx-dkms=" in result.stdout
+    assert "torch-neuronx==" not in result.stdout
+
+
+def test_apt_suite_override(node_files) -> None:
+    env = node_files(os_release=UBUNTU_2404, cfn_node_type="ComputeFleet")
+    result = run_script([*REQUIRED_ARGS, "--dry-run", "--apt-suite", "jammy"], env)
+    assert result.returncode == 0, result.stderr
+    assert "https://apt.repos.neuron.amazonaws.com jammy main" in result.stdout
+
+
+def test_log_lines_are_timestamped(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], node_files(cfn_node_type="ComputeFleet"))
+    assert result.returncode == 0, result.stderr
+    log_lines = [line for line in result.stderr.splitlines() if line]
+    assert log_lines
+    for line in log_lines:
+        assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \[on_node_configured\] ", line), line
+
+
+# ----------------------------------------------------------------------------- shared venv build
+
+
+@pytest.fixture
+def fake_head_node(tmp_path: Path, node_files):
+    """A head node whose apt and pip steps are stubs: exercises the lock, build dir and publish logic.
+
+    `python3.10 -m venv DIR` is a stub that creates DIR/bin/python (itself a stub that accepts any
+    arguments) and counts builds in a file, after a short sleep so that concurrent runs overlap.
+    """
+    env = node_files(os_release=UBUNTU_2204, cfn_node_type="HeadNode")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    builds = tmp_path / "venv-builds"
+    fake_python = bin_dir / "python3.10"
+    fake_python.write_text(
+        textwrap.dedent(
+            f"""\
+            #!/usr/bin/env bash
+            set -euo pipefail
+            [[ "$1 $2" == "-m venv" ]] || exit 64
+            sleep 0.5
+            mkdir -p "$3/bin"
+            printf '#!/usr/bin/env bash\\nexit 0\\n' >"$3/bin/python"
+            chmod +x "$3/bin/python"
+            echo "$3" >>"{builds}"
+            """
+        )
+    )
+    fake_python.chmod(0o755)
+    shared_env = tmp_path / "fsx" / "envs" / f"neuron-{RELEASE}"
+    env["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+    def run_main(pip_step: str = ":") -> subprocess.CompletedProcess[str]:
+        snippet = textwrap.dedent(
+            f"""\
+            install_head_packages() {{ :; }}
+            require_root() {{ :; }}
+            install_pip_packages() {{ {pip_step}; }}
+            verify_pip_versions() {{ :; }}
+            main --neuron-release {RELEASE} --shared-env "{shared_env}"
+            """
+        )
+        return run_sourced(snippet, env)
+
+    def build_count() -> int:
+        return len(builds.read_text().splitlines()) if builds.exists() else 0
+
+    return shared_env, run_main, build_count
+
+
+def test_shared_env_is_published_by_symlink_when_complete(fake_head_node) -> None:
+    shared_env, run_main, build_count = fake_head_node
+    result = run_main()
+    assert result.returncode == 0, result.stderr
+    assert shared_env.is_symlink()
+    target = shared_env.resolve()
+    assert target.parent == shared_env.parent
+    assert target.name.startswith(f".neuron-{RELEASE}.env-")
+    assert (target / ".neuron-env-complete").read_text().startswith(f"neuron_release={RELEASE}\n")
+    assert (target / "neuron-constraints.txt").exists()
+    assert oct(target.stat().st_mode & 0o777) == "0o755", "compute nodes' users must be able to read the venv"
+    assert build_count() == 1
+
+
+def test_shared_env_rerun_does_not_rebuild(fake_head_node) -> None:
+    shared_env, run_main, build_count = fake_head_node
+    assert run_main().returncode == 0
+    target = shared_env.resolve()
+    result = run_main()
+    assert result.returncode == 0, result.stderr
+    assert "already complete" in result.stderr
+    assert shared_env.resolve() == target
+    assert build_count() == 1
+
+
+def test_concurrent_runs_build_once(fake_head_node) -> None:
+    shared_env, run_main, build_count = fake_head_node
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda _: run_main(), range(3)))
+    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+    assert build_count() == 1
+    assert shared_env.is_symlink()
+    assert len(list(shared_env.parent.glob(f".neuron-{RELEASE}.env-*"))) == 1
+
+
+def test_failed_build_is_never_published_and_is_cleaned_up(fake_head_node) -> None:
+    shared_env, run_main, build_count = fake_head_node
+    result = run_main(pip_step="echo 'simulated pip failure' >&2; return 1")
+    assert result.returncode != 0
+    assert "simulated pip failure" in result.stderr
+    assert not shared_env.exists() and not shared_env.is_symlink()
+    assert list(shared_env.parent.glob(f".neuron-{RELEASE}.env-*")) == []
+    # The next run starts from scratch and succeeds.
+    assert run_main().returncode == 0
+    assert shared_env.is_symlink()
+    assert build_count() == 2
+
+
+def test_stale_build_from_a_killed_run_is_removed(fake_head_node) -> None:
+    shared_env, run_main, _ = fake_head_node
+    stale = shared_env.parent / f".neuron-{RELEASE}.env-KILLED00"
+    (stale / "bin").mkdir(parents=True)
+    result = run_main()
+    assert result.returncode == 0, result.stderr
+    assert not stale.exists()
+    assert shared_env.resolve() != stale
+
+
+def test_foreign_directory_at_shared_env_is_not_overwritten(fake_head_node) -> None:
+    shared_env, run_main, build_count = fake_head_node
+    shared_env.mkdir(parents=True)
+    (shared_env / "user-file").write_text("keep me")
+    result = run_main()
+    assert result.returncode == 1
+    assert "exists but is not a complete venv" in result.stderr
+    assert (shared_env / "user-file").read_text() == "keep me"
+    assert build_count() == 0
+
+
+def test_verify_pip_versions_rejects_missing_packages() -> None:
+    python = shutil.which("python3")
+    assert python is not None
+    result = run_sourced(f'verify_pip_versions "{python}"')
+    assert result.returncode != 0
+    assert f"torch-neuronx: wanted {PIP_PINS['torch-neuronx']}, found not installed" in result.stderr
+
+
+def test_verify_pip_versions_accepts_matching_pins() -> None:
+    python = shutil.which("python3")
+    assert python is not None
+    version = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('pip'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    result = run_sourced(f'NEURON_PIP_PINS=("pip=={version}")\nverify_pip_versions "{python}"')
+    assert result.returncode == 0, result.stderr
+
+
+def test_verify_pip_versions_ignores_local_version_labels(tmp_path: Path) -> None:
+    # neuronx-cc wheels are versioned like 2.23.6484.0+<hash>; pip's == pin matches them, so must we.
+    site = tmp_path / "site"
+    dist_info = site / "neuronx_cc-2.23.6484.0+abc123.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: neuronx-cc\nVersion: 2.23.6484.0+abc123\n")
+    python = shutil.which("python3")
+    assert python is not None
+    snippet = f'NEURON_PIP_PINS=("neuronx-cc==2.23.6484.0")\nverify_pip_versions "{python}"'
+    assert run_sourced(snippet, {"PYTHONPATH": str(site)}).returncode == 0
+    wrong = f'NEURON_PIP_PINS=("neuronx-cc==2.23.6485.0")\nverify_pip_versions "{python}"'
+    result = run_sourced(wrong, {"PYTHONPATH": str(site)})
+    assert result.returncode != 0
+    assert "wanted 2.23.6485.0, found 2.23.6484.0+abc123" in result.stderr

@@ -1,0 +1,229 @@
+"""Environment files: the shipped ones load, and every validation rule rejects bad input with one clear line."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from stacks.application import ENVIRONMENTS_DIR
+from stacks.config import ConfigError, EnvironmentConfig, load_environment
+from tests.conftest import ENVIRONMENT_NAMES, ROOT
+
+BASE: dict[str, Any] = yaml.safe_load((ENVIRONMENTS_DIR / "default.yaml").read_text())
+
+
+def write_environment(directory: Path, changes: dict[str, Any], name: str = "candidate") -> Path:
+    """default.yaml with `changes` applied; dotted keys address nested mappings, None deletes."""
+    data = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        target = data
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        if value is None:
+            target.pop(leaf, None)
+        else:
+            target[leaf] = value
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def problems_for(tmp_path: Path, changes: dict[str, Any]) -> list[str]:
+    write_environment(tmp_path, changes)
+    with pytest.raises(ConfigError) as raised:
+        load_environment("candidate", tmp_path)
+    return raised.value.problems
+
+
+@pytest.mark.parametrize("name", ENVIRONMENT_NAMES)
+def test_shipped_environments_load(name: str) -> None:
+    assert isinstance(load_environment(name, ENVIRONMENTS_DIR), EnvironmentConfig)
+
+
+def test_default_reproduces_the_first_document() -> None:
+    config = load_environment("default", ENVIRONMENTS_DIR)
+    assert (config.region, config.availability_zone) == ("us-west-2", "us-west-2d")
+    assert config.head_node.instance_type == "r6a.12xlarge"
+    assert config.head_node.root_volume_gib == config.compute.root_volume_gib == 1024
+    assert (config.compute.instance_type, config.compute.efa, config.compute.max_count) == ("trn1.32xlarge", True, 4)
+    assert config.compute.min_count == 0
+    assert config.compute.placement_group_enabled is True
+    assert (config.storage.fsx_capacity_gib, config.storage.mount_dir) == (1200, "/fsx")
+
+
+def test_smoke_environment_has_no_efa() -> None:
+    config = load_environment("smoke", ENVIRONMENTS_DIR)
+    assert (config.compute.instance_type, config.compute.efa, config.compute.max_count) == ("trn1.2xlarge", False, 1)
+    assert config.compute.placement_group_enabled is False
+
+
+# One case per validation rule: (changes to default.yaml, the exact line expected).
+RULES = {
+    "unknown key": (
+        {"compute.gpus": 8},
+        "environments-under-test/candidate.yaml: compute.gpus: unknown key; allowed keys here: "
+        "instance_type, queue_name, min_count, max_count, efa, placement_group, capacity_type, "
+        "root_volume_gib, scaledown_idle_minutes",
+    ),
+    "unknown top-level key": (
+        {"vpc": {"cidr": "10.0.0.0/16"}},
+        "environments-under-test/candidate.yaml: vpc: unknown key; allowed keys here: region, availability_zone, "
+        "cluster_name, os, network, head_node, compute, storage, logging, tags",
+    ),
+    "wrong type": (
+        {"compute.max_count": "four"},
+        "environments-under-test/candidate.yaml: compute.max_count: 'four' is not allowed; allowed: an integer",
+    ),
+    "missing required key": (
+        {"cluster_name": None},
+        "environments-under-test/candidate.yaml: cluster_name: required key is missing",
+    ),
+    "fsx capacity": (
+        {"storage.fsx_capacity_gib": 1000},
+        "environments-under-test/candidate.yaml: storage.fsx_capacity_gib: 1000 is not allowed; "
+        "allowed for SCRATCH_2: 1200 or a multiple of 2400 (2400, 4800, ...)",
+    ),
+    "fsx capacity not a multiple of 2400": (
+        {"storage.fsx_capacity_gib": 3600},
+        "environments-under-test/candidate.yaml: storage.fsx_capacity_gib: 3600 is not allowed; "
+        "allowed for SCRATCH_2: 1200 or a multiple of 2400 (2400, 4800, ...)",
+    ),
+    "cluster name pattern": (
+        {"cluster_name": "1st_cluster"},
+        "environments-under-test/candidate.yaml: cluster_name: '1st_cluster' is not allowed; "
+        "allowed: a letter followed by up to 59 letters, digits or '-' (ParallelCluster's rule)",
+    ),
+    "cluster name equals stack name": (
+        {"cluster_name": "trainium-candidate"},
+        "environments-under-test/candidate.yaml: cluster_name: 'trainium-candidate' is not allowed; "
+        "allowed: any name other than the stack name 'trainium-candidate'",
+    ),
+    "min count above max count": (
+        {"compute.min_count": 5},
+        "environments-under-test/candidate.yaml: compute.min_count: 5 is not allowed; "
+        "allowed: at most compute.max_count (4)",
+    ),
+    "efa on a type without efa": (
+        {"compute.instance_type": "trn1.2xlarge", "compute.max_count": 1},
+        "environments-under-test/candidate.yaml: compute.efa: True is not allowed; allowed: false for trn1.2xlarge, "
+        "which has no EFA (EFA types: trn1.32xlarge, trn1n.32xlarge)",
+    ),
+    "multi-node on a type without efa": (
+        {"compute.instance_type": "trn1.2xlarge", "compute.efa": False, "compute.max_count": 2},
+        "environments-under-test/candidate.yaml: compute.max_count: 2 is not allowed; "
+        "allowed: 1, since trn1.2xlarge has no EFA for multi-node training",
+    ),
+    "multi-node with efa off": (
+        {"compute.efa": False},
+        "environments-under-test/candidate.yaml: compute.max_count: 4 is not allowed; "
+        "allowed: efa: true for multi-node training on trn1.32xlarge, or max_count 1",
+    ),
+    "unknown compute instance type": (
+        {"compute.instance_type": "p4d.24xlarge"},
+        "environments-under-test/candidate.yaml: compute.instance_type: 'p4d.24xlarge' is not allowed; "
+        "allowed: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge",
+    ),
+    "availability zone outside the region": (
+        {"availability_zone": "us-east-1a"},
+        "environments-under-test/candidate.yaml: availability_zone: 'us-east-1a' is not allowed; "
+        "allowed: a zone of us-west-2, e.g. 'us-west-2d'",
+    ),
+    "os rejected by parallelcluster": (
+        {"os": "ubuntu2004"},
+        "environments-under-test/candidate.yaml: os: 'ubuntu2004' is not allowed; "
+        "allowed: ubuntu2204, ubuntu2404 (ParallelCluster rejects it)",
+    ),
+    "os without neuron bootstrap": (
+        {"os": "alinux2023"},
+        "environments-under-test/candidate.yaml: os: 'alinux2023' is not allowed; "
+        "allowed: ubuntu2204, ubuntu2404 (the Neuron bootstrap supports only these)",
+    ),
+    "placement group off with efa": (
+        {"compute.placement_group": False},
+        "environments-under-test/candidate.yaml: compute.placement_group: False is not allowed; "
+        "allowed: true (or omit) when EFA is on; EFA nodes belong in one placement group",
+    ),
+    "scale-down idle time": (
+        {"compute.scaledown_idle_minutes": 0},
+        "environments-under-test/candidate.yaml: compute.scaledown_idle_minutes: 0 is not allowed; "
+        "allowed: 1 or more minutes",
+    ),
+    "log retention": (
+        {"logging.retention_days": 10},
+        "environments-under-test/candidate.yaml: logging.retention_days: 10 is not allowed; allowed: one of "
+        "[1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653]",
+    ),
+    "capacity type": (
+        {"compute.capacity_type": "RESERVED"},
+        "environments-under-test/candidate.yaml: compute.capacity_type: 'RESERVED' is not allowed; "
+        "allowed: ONDEMAND, SPOT, CAPACITY_BLOCK",
+    ),
+}
+
+
+@pytest.fixture
+def env_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory of candidate files, shown to the user relative to the working directory."""
+    directory = tmp_path / "environments-under-test"
+    directory.mkdir()
+    monkeypatch.chdir(tmp_path)
+    return directory
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_each_rule_rejects_with_one_clear_line(rule: str, env_dir: Path) -> None:
+    changes, expected = RULES[rule]
+    assert problems_for(env_dir, changes) == [expected]
+
+
+def test_every_problem_is_reported_at_once(env_dir: Path) -> None:
+    problems = problems_for(env_dir, {"storage.fsx_capacity_gib": 1000, "compute.min_count": 9, "os": "rhel8"})
+    assert [line.split(": ")[1] for line in problems] == ["os", "compute.min_count", "storage.fsx_capacity_gib"]
+
+
+def test_unknown_environment_lists_the_available_ones(env_dir: Path) -> None:
+    write_environment(env_dir, {}, name="prod")
+    with pytest.raises(ConfigError) as raised:
+        load_environment("staging", env_dir)
+    assert str(raised.value) == (
+        "environments-under-test/staging.yaml: no such environment file; available environments: prod"
+    )
+
+
+def run_app(context_env: str, outdir: Path) -> subprocess.CompletedProcess[str]:
+    """The CDK entry point exactly as the CLI runs it (context and output dir passed via the environment)."""
+    environ = {
+        **os.environ,
+        "CDK_OUTDIR": str(outdir),
+        "CDK_CONTEXT_JSON": f'{{"env": "{context_env}"}}',
+        # As the Makefile does: jsii's Node 20 end-of-life banner would otherwise precede every message.
+        "JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20",
+    }
+    return subprocess.run(
+        [sys.executable, "app.py"], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_app_rejects_bad_environment_without_traceback_or_output(tmp_path: Path) -> None:
+    bad = ENVIRONMENTS_DIR / "zz-invalid-under-test.yaml"
+    write_environment(ENVIRONMENTS_DIR, {"storage.fsx_capacity_gib": 1000}, name=bad.stem)
+    try:
+        result = run_app(bad.stem, tmp_path / "out")
+    finally:
+        bad.unlink()
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "error: environments/zz-invalid-under-test.yaml: storage.fsx_capacity_gib: 1000 is not allowed; "
+        "allowed for SCRATCH_2: 1200 or a multiple of 2400 (2400, 4800, ...)"
+    )
+    assert "Traceback" not in result.stderr
+    # The CDK App creates its output directory when constructed; nothing may be written into it.
+    assert not any((tmp_path / "out").iterdir())

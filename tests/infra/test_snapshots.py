@@ -1,0 +1,77 @@
+"""Template snapshots (asset hashes masked) so every infrastructure change shows up as a readable PR diff.
+
+After an intended change, run `make snapshots` and commit the updated files in tests/infra/snapshots/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ENVIRONMENT_NAMES, ROOT, Synthesized, synthesize
+
+SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
+ASSET_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+def masked(template: dict[str, Any]) -> str:
+    """Stable text of a template: asset hashes and the CDK version fingerprint replaced by placeholders."""
+    template = json.loads(json.dumps(template))
+    metadata = template.get("Resources", {}).get("CDKMetadata", {}).get("Properties", {})
+    if "Analytics" in metadata:
+        metadata["Analytics"] = "<cdk-version-analytics>"
+    text = json.dumps(template, indent=2, sort_keys=True) + "\n"
+    return ASSET_HASH.sub("<asset-hash>", text)
+
+
+@pytest.mark.parametrize("env_name", ENVIRONMENT_NAMES)
+def test_template_matches_snapshot(env_name: str, synthesized: dict[str, Synthesized]) -> None:
+    snapshot = SNAPSHOTS / f"{env_name}.template.json"
+    current = masked(synthesized[env_name].template)
+    if os.environ.get("UPDATE_SNAPSHOTS") == "1":
+        SNAPSHOTS.mkdir(exist_ok=True)
+        snapshot.write_text(current)
+    assert snapshot.is_file(), f"no snapshot for {env_name}; run `make snapshots` and commit it"
+    assert current == snapshot.read_text(), f"{snapshot.name} is out of date; review the diff, then `make snapshots`"
+
+
+def test_every_snapshot_belongs_to_an_environment() -> None:
+    assert sorted(path.name.removesuffix(".template.json") for path in SNAPSHOTS.glob("*.json")) == ENVIRONMENT_NAMES
+
+
+def test_masking_hides_only_volatile_values() -> None:
+    template = {"Resources": {"A": {"Properties": {"Key": "a" * 64 + ".sh", "Size": 1200}}}}
+    assert json.loads(masked(template)) == {"Resources": {"A": {"Properties": {"Key": "<asset-hash>.sh", "Size": 1200}}}}
+
+
+def test_synth_is_deterministic(default_env: Synthesized, tmp_path: Path) -> None:
+    again = synthesize("default", tmp_path / "again")
+    assert json.dumps(again.template, sort_keys=True) == json.dumps(default_env.template, sort_keys=True)
+
+
+def test_cdk_cli_synth_gives_the_same_template(default_env: Synthesized, tmp_path: Path) -> None:
+    """`npx cdk synth` (the README's path) and the tests' in-process synth produce identical templates."""
+    environ = {
+        **os.environ,
+        "JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        environ.pop(variable, None)
+    result = subprocess.run(
+        ["npx", "--no-install", "cdk", "synth", "-c", "env=default", "--quiet", "--output", str(tmp_path / "out")],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    cli_template = json.loads((tmp_path / "out" / "trainium-default.template.json").read_text())
+    assert json.dumps(cli_template, sort_keys=True) == json.dumps(default_env.template, sort_keys=True)

@@ -1,0 +1,341 @@
+"""CDK assertions on the synthesized templates: each resource and property the environment promises."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from aws_cdk.assertions import Match, Template
+
+from stacks.config import PARALLELCLUSTER_VERSION
+from tests.conftest import Synthesized
+
+
+def template_of(env: Synthesized) -> Template:
+    return Template.from_json(env.template)
+
+
+def cluster_configuration(env: Synthesized) -> dict[str, Any]:
+    return env.only("Custom::PclusterCluster")["Properties"]["ClusterConfiguration"]
+
+
+def logical_id(env: Synthesized, resource_type: str) -> str:
+    (name,) = env.resources_of_type(resource_type)
+    return name
+
+
+# --- network ---------------------------------------------------------------------------------------
+
+
+def test_one_public_and_one_private_subnet_in_the_configured_zone(default_env: Synthesized) -> None:
+    subnets = default_env.resources_of_type("AWS::EC2::Subnet").values()
+    assert sorted(s["Properties"]["MapPublicIpOnLaunch"] for s in subnets) == [False, True]
+    assert {s["Properties"]["AvailabilityZone"] for s in subnets} == {"us-west-2d"}
+
+
+def test_nat_gateway_and_s3_gateway_endpoint(default_env: Synthesized) -> None:
+    template = template_of(default_env)
+    template.resource_count_is("AWS::EC2::NatGateway", 1)
+    template.has_resource_properties(
+        "AWS::EC2::VPCEndpoint",
+        {
+            "VpcEndpointType": "Gateway",
+            "ServiceName": {"Fn::Join": ["", ["com.amazonaws.", {"Ref": "AWS::Region"}, ".s3"]]},
+        },
+    )
+
+
+def test_flow_logs_go_to_a_log_group_deleted_with_the_stack(default_env: Synthesized) -> None:
+    template = template_of(default_env)
+    template.has_resource_properties(
+        "AWS::EC2::FlowLog", {"ResourceType": "VPC", "LogDestinationType": "cloud-watch-logs"}
+    )
+    template.has_resource(
+        "AWS::Logs::LogGroup",
+        {"Properties": {"RetentionInDays": 14}, "DeletionPolicy": "Delete", "UpdateReplacePolicy": "Delete"},
+    )
+
+
+def test_cluster_group_allows_all_traffic_from_itself(default_env: Synthesized) -> None:
+    group = next(
+        name
+        for name, resource in default_env.resources_of_type("AWS::EC2::SecurityGroup").items()
+        if resource["Properties"]["GroupDescription"].startswith("Head and compute nodes")
+    )
+    template_of(default_env).has_resource_properties(
+        "AWS::EC2::SecurityGroupIngress",
+        {
+            "IpProtocol": "-1",
+            "GroupId": {"Fn::GetAtt": [group, "GroupId"]},
+            "SourceSecurityGroupId": {"Fn::GetAtt": [group, "GroupId"]},
+        },
+    )
+
+
+def test_file_system_group_opens_only_lustre_ports(default_env: Synthesized) -> None:
+    ports = sorted(
+        (rule["Properties"]["FromPort"], rule["Properties"]["ToPort"])
+        for rule in default_env.resources_of_type("AWS::EC2::SecurityGroupIngress").values()
+        if rule["Properties"]["IpProtocol"] == "tcp"
+    )
+    # Client rules from the cluster group, plus LustreFileSystem's own rule within the file system group.
+    assert ports == [(988, 988), (988, 1023), (1018, 1023)]
+
+
+@pytest.mark.parametrize("env_name", ["default", "smoke"])
+def test_nothing_is_open_to_the_internet(env_name: str, synthesized: dict[str, Synthesized]) -> None:
+    env = synthesized[env_name]
+    for resource in env.template["Resources"].values():
+        properties = resource.get("Properties", {})
+        rules = properties.get("SecurityGroupIngress", []) + (
+            [properties] if resource["Type"] == "AWS::EC2::SecurityGroupIngress" else []
+        )
+        for rule in rules:
+            assert rule.get("CidrIp") not in ("0.0.0.0/0",) and rule.get("CidrIpv6") != "::/0", rule
+    assert "Ssh" not in cluster_configuration(env)["HeadNode"]
+
+
+# --- storage -----------------------------------------------------------------------------------------
+
+
+def test_results_bucket_is_encrypted_private_versioned_tls_only_and_kept(default_env: Synthesized) -> None:
+    template = template_of(default_env)
+    template.has_resource(
+        "AWS::S3::Bucket",
+        {
+            "Properties": {
+                "BucketEncryption": {
+                    "ServerSideEncryptionConfiguration": [{"ServerSideEncryptionByDefault": {"SSEAlgorithm": "AES256"}}]
+                },
+                "PublicAccessBlockConfiguration": {
+                    "BlockPublicAcls": True,
+                    "BlockPublicPolicy": True,
+                    "IgnorePublicAcls": True,
+                    "RestrictPublicBuckets": True,
+                },
+                "VersioningConfiguration": {"Status": "Enabled"},
+            },
+            "DeletionPolicy": "Retain",
+            "UpdateReplacePolicy": "Retain",
+        },
+    )
+    template.has_resource_properties(
+        "AWS::S3::BucketPolicy",
+        {
+            "PolicyDocument": {
+                "Statement": Match.array_with(
+                    [
+                        Match.object_like(
+                            {
+                                "Effect": "Deny",
+                                "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+                                "Action": "s3:*",
+                            }
+                        )
+                    ]
+                )
+            }
+        },
+    )
+
+
+def test_scratch_2_file_system_linked_to_the_bucket(default_env: Synthesized) -> None:
+    bucket = logical_id(default_env, "AWS::S3::Bucket")
+    repository = {"Fn::Join": ["", ["s3://", {"Ref": bucket}, "/fsx"]]}
+    template_of(default_env).has_resource(
+        "AWS::FSx::FileSystem",
+        {
+            "Properties": {
+                "FileSystemType": "LUSTRE",
+                "StorageCapacity": 1200,
+                "LustreConfiguration": {
+                    "DeploymentType": "SCRATCH_2",
+                    "ImportPath": repository,
+                    "ExportPath": repository,
+                    "AutoImportPolicy": "NEW_CHANGED_DELETED",
+                },
+                "SubnetIds": [{"Ref": Match.string_like_regexp("private")}],
+            },
+            "DeletionPolicy": "Delete",
+            "DependsOn": Match.array_with([Match.string_like_regexp("ResultsPolicy")]),
+        },
+    )
+
+
+def test_file_system_is_passed_to_the_cluster_by_id(default_env: Synthesized) -> None:
+    file_system = logical_id(default_env, "AWS::FSx::FileSystem")
+    assert cluster_configuration(default_env)["SharedStorage"] == [
+        {
+            "Name": "fsx",
+            "StorageType": "FsxLustre",
+            "MountDir": "/fsx",
+            "FsxLustreSettings": {"FileSystemId": {"Ref": file_system}},
+        }
+    ]
+
+
+# --- cluster -----------------------------------------------------------------------------------------
+
+
+def test_provider_is_pinned_to_one_parallelcluster_version(default_env: Synthesized) -> None:
+    provider = default_env.only("AWS::CloudFormation::Stack")
+    url = provider["Properties"]["TemplateURL"]["Fn::Sub"]
+    assert url == (
+        "https://${AWS::Region}-aws-parallelcluster.s3.${AWS::Region}.${AWS::URLSuffix}"
+        f"/parallelcluster/{PARALLELCLUSTER_VERSION}/templates/custom_resource/cluster.yaml"
+    )
+    cluster = default_env.only("Custom::PclusterCluster")
+    provider_id = logical_id(default_env, "AWS::CloudFormation::Stack")
+    assert cluster["Properties"]["ServiceToken"] == {"Fn::GetAtt": [provider_id, "Outputs.ServiceToken"]}
+
+
+def test_cluster_is_deleted_with_the_stack(default_env: Synthesized) -> None:
+    cluster = default_env.only("Custom::PclusterCluster")
+    assert cluster["Properties"]["DeletionPolicy"] == "Delete"
+    assert cluster["DeletionPolicy"] == "Delete"
+    assert cluster["Properties"]["ClusterName"] == "trn1-llama"
+    assert "RollbackOnFailure" not in cluster["Properties"]
+    assert cluster_configuration(default_env)["Monitoring"]["Logs"]["CloudWatch"] == {
+        "Enabled": True,
+        "RetentionInDays": 14,
+        "DeletionPolicy": "Delete",
+    }
+
+
+def test_cluster_waits_for_the_nat_route(default_env: Synthesized) -> None:
+    depends_on = default_env.only("Custom::PclusterCluster")["DependsOn"]
+    assert any("privateSubnet1DefaultRoute" in name for name in depends_on)
+
+
+def test_scheduling_scales_to_zero_and_terminates_on_update(default_env: Synthesized) -> None:
+    scheduling = cluster_configuration(default_env)["Scheduling"]
+    assert scheduling["SlurmSettings"] == {"ScaledownIdletime": 10, "QueueUpdateStrategy": "TERMINATE"}
+    (queue,) = scheduling["SlurmQueues"]
+    (resource,) = queue["ComputeResources"]
+    assert resource == {
+        "Name": "trn1-32xlarge",
+        "InstanceType": "trn1.32xlarge",
+        "MinCount": 0,
+        "MaxCount": 4,
+        "Efa": {"Enabled": True},
+    }
+    assert queue["Networking"]["PlacementGroup"] == {"Enabled": True}
+
+
+def test_smoke_queue_has_no_efa_and_no_placement_group(smoke_env: Synthesized) -> None:
+    (queue,) = cluster_configuration(smoke_env)["Scheduling"]["SlurmQueues"]
+    assert queue["ComputeResources"][0]["Efa"] == {"Enabled": False}
+    assert queue["ComputeResources"][0]["MaxCount"] == 1
+    assert queue["Networking"]["PlacementGroup"] == {"Enabled": False}
+
+
+def test_head_node_is_private_and_reached_through_ssm(default_env: Synthesized) -> None:
+    head = cluster_configuration(default_env)["HeadNode"]
+    assert head["InstanceType"] == "r6a.12xlarge"
+    assert head["LocalStorage"]["RootVolume"]["Size"] == 1024
+    assert head["Networking"]["SubnetId"]["Ref"].startswith("NetworkVpcprivate")
+    assert {"Policy": "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"} in head["Iam"]["AdditionalIamPolicies"]
+
+
+def test_bootstrap_script_is_an_asset_run_on_every_node(default_env: Synthesized) -> None:
+    configuration = cluster_configuration(default_env)
+    head_action = configuration["HeadNode"]["CustomActions"]["OnNodeConfigured"]
+    queue_action = configuration["Scheduling"]["SlurmQueues"][0]["CustomActions"]["OnNodeConfigured"]
+    assert head_action == queue_action
+    assert head_action["Script"]["Fn::Sub"].startswith("s3://cdk-hnb659fds-assets-${AWS::AccountId}-us-west-2/")
+    assert head_action["Script"]["Fn::Sub"].endswith(".sh")
+    assert head_action["Args"][:2] == ["--neuron-release", head_action["Args"][1]]
+    assert head_action["Args"][2:] == ["--shared-env", f"/fsx/envs/neuron-{head_action['Args'][1]}"]
+
+
+def node_policy(env: Synthesized, which: str) -> dict[str, Any]:
+    (policy,) = (
+        p
+        for p in env.resources_of_type("AWS::IAM::ManagedPolicy").values()
+        if p["Properties"]["Description"].startswith(which)
+    )
+    return policy["Properties"]
+
+
+def grants(policy: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """(action, resource, condition) triples of a policy, however CDK merged its statements."""
+    triples = set()
+    for statement in policy["PolicyDocument"]["Statement"]:
+        assert statement["Effect"] == "Allow"
+        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+        condition = json.dumps(statement.get("Condition"), sort_keys=True)
+        triples |= {(a, json.dumps(r, sort_keys=True), condition) for a in actions for r in resources}
+    return triples
+
+
+@pytest.mark.parametrize(
+    ("which", "object_actions"),
+    [("Head", {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"}), ("Compute", {"s3:GetObject"})],
+)
+def test_node_policies_are_scoped_to_the_bucket(default_env: Synthesized, which: str, object_actions: set[str]) -> None:
+    policy = node_policy(default_env, which)
+    # ParallelCluster's provider may attach only policies under /parallelcluster/.
+    assert policy["Path"] == "/parallelcluster/"
+    bucket = {"Fn::GetAtt": [logical_id(default_env, "AWS::S3::Bucket"), "Arn"]}
+    objects = {"Fn::Join": ["", [bucket, "/*"]]}
+    script = cluster_configuration(default_env)["HeadNode"]["CustomActions"]["OnNodeConfigured"]["Script"]["Fn::Sub"]
+    script_arn = {
+        "Fn::Sub": [
+            "arn:${AWS::Partition}:s3:::${Bucket}/${Key}",
+            {
+                "Bucket": {"Fn::Sub": "cdk-hnb659fds-assets-${AWS::AccountId}-us-west-2"},
+                "Key": script.rsplit("/", 1)[1],
+            },
+        ]
+    }
+    namespace = json.dumps({"StringEquals": {"cloudwatch:namespace": "Trainium/default"}}, sort_keys=True)
+    assert grants(policy) == {
+        ("s3:ListBucket", json.dumps(bucket, sort_keys=True), "null"),
+        *((action, json.dumps(objects, sort_keys=True), "null") for action in object_actions),
+        ("s3:GetObject", json.dumps(script_arn, sort_keys=True), "null"),
+        ("cloudwatch:PutMetricData", json.dumps("*"), namespace),
+    }
+
+
+def test_each_node_role_gets_its_own_policy(default_env: Synthesized) -> None:
+    configuration = cluster_configuration(default_env)
+    head = logical_id_of_policy(default_env, "Head")
+    compute = logical_id_of_policy(default_env, "Compute")
+    assert {"Policy": {"Ref": head}} in configuration["HeadNode"]["Iam"]["AdditionalIamPolicies"]
+    assert configuration["Scheduling"]["SlurmQueues"][0]["Iam"]["AdditionalIamPolicies"] == [
+        {"Policy": {"Ref": compute}}
+    ]
+
+
+def logical_id_of_policy(env: Synthesized, which: str) -> str:
+    (name,) = (
+        n
+        for n, p in env.resources_of_type("AWS::IAM::ManagedPolicy").items()
+        if p["Properties"]["Description"].startswith(which)
+    )
+    return name
+
+
+# --- outputs ----------------------------------------------------------------------------------------
+
+
+def test_outputs(default_env: Synthesized) -> None:
+    outputs = default_env.template["Outputs"]
+    cluster = logical_id(default_env, "Custom::PclusterCluster")
+    head_node = {"Fn::GetAtt": [cluster, "headNode.instanceId"]}
+    assert outputs["HeadNodeInstanceId"]["Value"] == head_node
+    assert outputs["SsmConnectCommand"]["Value"] == {
+        "Fn::Join": ["", ["aws ssm start-session --region us-west-2 --target ", head_node]]
+    }
+    assert outputs["ResultsBucketName"]["Value"] == {"Ref": logical_id(default_env, "AWS::S3::Bucket")}
+    assert outputs["FileSystemId"]["Value"] == {"Ref": logical_id(default_env, "AWS::FSx::FileSystem")}
+    assert outputs["ClusterName"]["Value"] == "trn1-llama"
+
+
+def test_tags_reach_stack_resources_and_cluster(default_env: Synthesized) -> None:
+    template_of(default_env).has_resource_properties(
+        "AWS::EC2::VPC", {"Tags": Match.array_with([{"Key": "project", "Value": "trainium-training"}])}
+    )
+    assert {"Key": "project", "Value": "trainium-training"} in cluster_configuration(default_env)["Tags"]
