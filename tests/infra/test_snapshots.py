@@ -47,7 +47,9 @@ def test_every_snapshot_belongs_to_an_environment() -> None:
 
 def test_masking_hides_only_volatile_values() -> None:
     template = {"Resources": {"A": {"Properties": {"Key": "a" * 64 + ".sh", "Size": 1200}}}}
-    assert json.loads(masked(template)) == {"Resources": {"A": {"Properties": {"Key": "<asset-hash>.sh", "Size": 1200}}}}
+    assert json.loads(masked(template)) == {
+        "Resources": {"A": {"Properties": {"Key": "<asset-hash>.sh", "Size": 1200}}}
+    }
 
 
 def test_synth_is_deterministic(default_env: Synthesized, tmp_path: Path) -> None:

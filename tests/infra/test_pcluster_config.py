@@ -1,0 +1,141 @@
+"""The ParallelCluster configuration: built by a pure function, accepted by the real aws-parallelcluster.
+
+The synthesized `ClusterConfiguration` contains CloudFormation references; they are replaced by
+realistic placeholder ids, then the configuration is loaded by pcluster's schema and run through its
+local semantic validators (tests/support/pcluster_offline.py stubs only the AWS look-ups).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+import pytest
+
+from stacks.application import ENVIRONMENTS_DIR
+from stacks.cluster import BOOTSTRAP_SCRIPT, bootstrap_arguments, pinned_neuron_release
+from stacks.config import load_environment
+from stacks.pcluster_config import ClusterResources, build_cluster_configuration
+from tests.conftest import ENVIRONMENT_NAMES, Synthesized
+from tests.support.pcluster_offline import errors_of, validate_cluster_config
+
+ACCOUNT = "123456789012"
+
+
+def placeholder_id(prefix: str, logical_id: str) -> str:
+    return f"{prefix}-{hashlib.sha256(logical_id.encode()).hexdigest()[:17]}"
+
+
+def resolve(value: Any, resources: dict[str, Any]) -> Any:
+    """Replace CloudFormation intrinsics with the kind of id AWS would return for that resource type."""
+    if isinstance(value, list):
+        return [resolve(item, resources) for item in value]
+    if not isinstance(value, dict):
+        return value
+    if set(value) == {"Ref"}:
+        name = value["Ref"]
+        kind = resources[name]["Type"]
+        if kind == "AWS::EC2::Subnet":
+            return placeholder_id("subnet", name)
+        if kind == "AWS::FSx::FileSystem":
+            return placeholder_id("fs", name)
+        if kind == "AWS::IAM::ManagedPolicy":
+            return f"arn:aws:iam::{ACCOUNT}:policy/parallelcluster/{name}"
+        raise AssertionError(f"no placeholder for Ref to {kind}")
+    if set(value) == {"Fn::GetAtt"}:
+        name, attribute = value["Fn::GetAtt"]
+        assert (resources[name]["Type"], attribute) == ("AWS::EC2::SecurityGroup", "GroupId")
+        return placeholder_id("sg", name)
+    if set(value) == {"Fn::Sub"} and isinstance(value["Fn::Sub"], str):
+        return value["Fn::Sub"].replace("${AWS::AccountId}", ACCOUNT)
+    unresolved = [key for key in value if key.startswith("Fn::")]
+    assert not unresolved, f"unexpected intrinsic {unresolved}"
+    return {key: resolve(item, resources) for key, item in value.items()}
+
+
+def resolved_configuration(env: Synthesized) -> dict[str, Any]:
+    (cluster,) = env.resources_of_type("Custom::PclusterCluster").values()
+    return resolve(cluster["Properties"]["ClusterConfiguration"], env.template["Resources"])
+
+
+@pytest.mark.parametrize("env_name", ENVIRONMENT_NAMES)
+def test_synthesized_configuration_passes_parallelcluster_validation(
+    env_name: str, synthesized: dict[str, Synthesized]
+) -> None:
+    env = synthesized[env_name]
+    configuration = resolved_configuration(env)
+    assert not re.search(r"\$\{|Fn::|\"Ref\"", repr(configuration))
+    findings = validate_cluster_config(configuration, cluster_name=env.config.cluster_name, region=env.config.region)
+    assert errors_of(findings) == []
+
+
+def test_parallelcluster_validation_catches_a_broken_configuration(default_env: Synthesized) -> None:
+    """The same path rejects what ParallelCluster would reject: proof the validators really run."""
+    configuration = resolved_configuration(default_env)
+    queue = configuration["Scheduling"]["SlurmQueues"][0]
+    queue["ComputeResources"][0]["MinCount"] = 5
+    del queue["Networking"]["PlacementGroup"]
+    findings = validate_cluster_config(configuration, cluster_name="trn1-llama", region="us-west-2")
+    assert {finding.validator for finding in errors_of(findings)} == {
+        "ComputeResourceSizeValidator",
+        "EfaPlacementGroupValidator",
+    }
+
+
+# --- the pure builder ----------------------------------------------------------------------------------
+
+RESOURCES = ClusterResources(
+    head_node_subnet_id="subnet-0aaaaaaaaaaaaaaa1",
+    compute_subnet_id="subnet-0aaaaaaaaaaaaaaa1",
+    security_group_id="sg-0bbbbbbbbbbbbbbb2",
+    file_system_id="fs-0ccccccccccccccc3",
+    head_node_policy_arn=f"arn:aws:iam::{ACCOUNT}:policy/parallelcluster/head",
+    compute_node_policy_arn=f"arn:aws:iam::{ACCOUNT}:policy/parallelcluster/compute",
+    bootstrap_script_url="s3://bucket/on_node_configured.sh",
+    bootstrap_args=("--neuron-release", "2.28.1", "--shared-env", "/fsx/envs/neuron-2.28.1"),
+)
+
+
+def test_builder_is_pure_and_uses_every_resource() -> None:
+    config = load_environment("default", ENVIRONMENTS_DIR)
+    first = build_cluster_configuration(config, RESOURCES)
+    assert first == build_cluster_configuration(config, RESOURCES)
+    text = repr(first)
+    for value in (RESOURCES.head_node_subnet_id, RESOURCES.security_group_id, RESOURCES.file_system_id):
+        assert value in text
+    assert first["HeadNode"]["Iam"]["AdditionalIamPolicies"][1] == {"Policy": RESOURCES.head_node_policy_arn}
+    assert first["Scheduling"]["SlurmQueues"][0]["Iam"] == {
+        "AdditionalIamPolicies": [{"Policy": RESOURCES.compute_node_policy_arn}]
+    }
+    assert first["HeadNode"]["CustomActions"]["OnNodeConfigured"]["Args"] == list(RESOURCES.bootstrap_args)
+
+
+def test_builder_output_passes_parallelcluster_validation_for_every_environment() -> None:
+    for name in ENVIRONMENT_NAMES:
+        config = load_environment(name, ENVIRONMENTS_DIR)
+        findings = validate_cluster_config(
+            build_cluster_configuration(config, RESOURCES), cluster_name=config.cluster_name, region=config.region
+        )
+        assert errors_of(findings) == [], name
+
+
+def test_ssh_key_is_optional_and_off_by_default() -> None:
+    config = load_environment("default", ENVIRONMENTS_DIR)
+    assert "Ssh" not in build_cluster_configuration(config, RESOURCES)["HeadNode"]
+    with_key = type(config)(**{**config.__dict__, "network": type(config.network)(ssh_key_name="ops")})
+    assert build_cluster_configuration(with_key, RESOURCES)["HeadNode"]["Ssh"] == {"KeyName": "ops"}
+
+
+def test_neuron_release_comes_from_the_bootstrap_script() -> None:
+    release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
+    assert re.fullmatch(r"\d+\.\d+\.\d+", release)
+    config = load_environment("default", ENVIRONMENTS_DIR)
+    assert bootstrap_arguments(config, release) == (
+        "--neuron-release",
+        release,
+        "--shared-env",
+        f"/fsx/envs/neuron-{release}",
+    )
+    with pytest.raises(ValueError, match="pins no NEURON_RELEASE"):
+        pinned_neuron_release("#!/bin/bash\n")
