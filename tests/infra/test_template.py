@@ -250,12 +250,7 @@ def test_bootstrap_script_is_an_asset_run_on_every_node(default_env: Synthesized
 
 
 def node_policy(env: Synthesized, which: str) -> dict[str, Any]:
-    (policy,) = (
-        p
-        for p in env.resources_of_type("AWS::IAM::ManagedPolicy").values()
-        if p["Properties"]["Description"].startswith(which)
-    )
-    return policy["Properties"]
+    return env.template["Resources"][logical_id_of_policy(env, which)]["Properties"]
 
 
 def grants(policy: dict[str, Any]) -> set[tuple[str, str, str]]:
