@@ -26,7 +26,7 @@ tools:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet -e '.[infra,dev]'
+	$(VPY) -m pip install --quiet -e '.[infra,training,dev]'
 	# Schema and validators only: its CDK v1 / jsii 1.85 pins conflict with aws-cdk-lib v2 (see pyproject.toml).
 	$(VPY) -m pip install --quiet --no-deps aws-parallelcluster==$(PCLUSTER_VERSION)
 	touch $@

@@ -1,0 +1,129 @@
+"""`python -m training ...`: one entry point for every step of the pipeline.
+
+User mistakes (training.errors.UserError) are printed as one line, `error: ...`, with exit status 2;
+nothing else is caught, so real bugs keep their traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from training.errors import UserError
+
+DEFAULT_PRETRAIN_SOURCE = "wikicorpus:raw_en"  # the first source document's corpus
+DEFAULT_PRETRAIN_SEQ_LEN = 8192  # Llama 3.1 8B block size in the reference example
+DEFAULT_SFT_SOURCE = "HuggingFaceH4/no_robots"  # the second source document's chat data
+DEFAULT_SFT_SEQ_LEN = 2048
+DEFAULT_SFT_VALIDATION_SPLIT = "test"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    prepare = commands.add_parser("prepare", help="tokenize and pack training data").add_subparsers(
+        dest="kind", required=True
+    )
+
+    pretrain = prepare.add_parser("pretrain", help="a text corpus into fixed-length blocks for pretraining")
+    _common_arguments(pretrain, DEFAULT_PRETRAIN_SOURCE, DEFAULT_PRETRAIN_SEQ_LEN)
+    pretrain.add_argument("--text-column", default="text", help="column holding the document text (default: text)")
+    pretrain.add_argument("--max-documents", type=int, help="stop after this many documents")
+    pretrain.add_argument(
+        "--add-bos", action=argparse.BooleanOptionalAction, default=True, help="BOS before every document"
+    )
+    pretrain.add_argument(
+        "--add-eos", action=argparse.BooleanOptionalAction, default=True, help="EOS after every document"
+    )
+    pretrain.add_argument(
+        "--pad-final",
+        action="store_true",
+        help="pad the final partial block (pad token, else EOS) instead of dropping it",
+    )
+
+    sft = prepare.add_parser("sft", help="chat conversations into packed blocks with assistant-only labels")
+    _common_arguments(sft, DEFAULT_SFT_SOURCE, DEFAULT_SFT_SEQ_LEN)
+    sft.add_argument("--messages-column", default="messages", help="column of [{role, content}] lists")
+    sft.add_argument(
+        "--validation",
+        help=f"validation data: a split name for a hub dataset (default: {DEFAULT_SFT_VALIDATION_SPLIT}), "
+        "a file or directory for local data (default: none); 'none' to skip",
+    )
+    sft.add_argument("--max-examples", type=int, help="stop after this many examples per split")
+    return parser
+
+
+def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int) -> None:
+    parser.add_argument(
+        "--source",
+        default=source,
+        help=f"hub dataset NAME[:CONFIG], or a .jsonl/.parquet/.txt file or directory (default: {source})",
+    )
+    parser.add_argument("--tokenizer", required=True, help="directory of a Hugging Face fast tokenizer")
+    parser.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per block (default: {seq_len})")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (datasets.load_from_disk)")
+    parser.add_argument("--split", default="train", help="split of a hub dataset (default: train)")
+    parser.add_argument(
+        "--num-proc", type=int, default=os.cpu_count() or 1, help="tokenizer threads (default: all cores)"
+    )
+    parser.add_argument("--skip-bad-records", action="store_true", help="skip and count undecodable records")
+    parser.add_argument("--overwrite", action="store_true", help="replace an output made from other inputs")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = build_parser().parse_args(argv)
+    try:
+        manifest = _run(arguments)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    summary = {k: v for k, v in manifest.items() if k not in ("fingerprint",)}
+    print(json.dumps(summary, indent=2, sort_keys=True))
+    return 0
+
+
+def _run(arguments: argparse.Namespace) -> dict[str, Any]:
+    from training.prepare import PretrainOptions, SftOptions, prepare_pretrain, prepare_sft
+    from training.sources import resolve_source
+
+    if arguments.kind == "pretrain":
+        return prepare_pretrain(
+            PretrainOptions(
+                source=arguments.source,
+                tokenizer=arguments.tokenizer,
+                seq_len=arguments.seq_len,
+                out=arguments.out,
+                text_column=arguments.text_column,
+                split=arguments.split,
+                num_proc=arguments.num_proc,
+                max_documents=arguments.max_documents,
+                add_bos=arguments.add_bos,
+                add_eos=arguments.add_eos,
+                pad_final=arguments.pad_final,
+                skip_bad_records=arguments.skip_bad_records,
+                overwrite=arguments.overwrite,
+            )
+        )
+    validation = arguments.validation
+    if validation is None and not resolve_source(arguments.source).is_local:
+        validation = DEFAULT_SFT_VALIDATION_SPLIT
+    return prepare_sft(
+        SftOptions(
+            source=arguments.source,
+            tokenizer=arguments.tokenizer,
+            seq_len=arguments.seq_len,
+            out=arguments.out,
+            messages_column=arguments.messages_column,
+            split=arguments.split,
+            validation=None if validation in (None, "none") else validation,
+            num_proc=arguments.num_proc,
+            max_examples=arguments.max_examples,
+            skip_bad_records=arguments.skip_bad_records,
+            overwrite=arguments.overwrite,
+        )
+    )
