@@ -55,7 +55,43 @@ def build_parser() -> argparse.ArgumentParser:
         "a file or directory for local data (default: none); 'none' to skip",
     )
     sft.add_argument("--max-examples", type=int, help="stop after this many examples per split")
+
+    convert = commands.add_parser("convert", help="convert checkpoints between hf, nxd and nemo layouts")
+    convert.add_argument("--from", dest="source_format", required=True, choices=("hf", "nxd", "nemo"))
+    convert.add_argument("--to", dest="target_format", required=True, choices=("hf", "nxd", "nemo"))
+    convert.add_argument("--input", required=True, type=Path, help="checkpoint directory to read")
+    convert.add_argument("--output", required=True, type=Path, help="directory to write (created atomically)")
+    convert.add_argument("--tp", type=int, help="tensor-parallel degree to write (nxd, nemo)")
+    convert.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree to write (default: 1)")
+    convert.add_argument(
+        "--kv-size-multiplier",
+        dest="kv_multiplier",
+        type=int,
+        help="KV head replication for nxd (default: smallest that fits)",
+    )
+    convert.add_argument("--fuse-qkv", action="store_true", help="nxd: one fused weight_qkv per layer")
+    convert.add_argument("--xser", action="store_true", help="write torch_xla xser files (one file per tensor)")
+    convert.add_argument("--config", type=Path, help="config.json for checkpoints that lack one")
+    convert.add_argument("--force", action="store_true", help="read a step_N checkpoint without its 'done' marker")
+    convert.add_argument(
+        "--overwrite", action="store_true", help="replace an output directory holding another checkpoint"
+    )
+    convert.add_argument("--verify", action="store_true", help="read the output back and compare with the input")
+    convert.add_argument("--workers", type=int, default=4, help="ranks written in parallel (default: 4)")
+    convert.add_argument("--max-shard-size", default="5GB", help="hf output shard size, e.g. 2GB, 500MB (default: 5GB)")
     return parser
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '1024' -> bytes (decimal units, as Hugging Face uses them)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    upper = text.strip().upper()
+    for unit, factor in units.items():
+        if upper.endswith(unit) and upper[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[: -len(unit)]) * factor)
+    if upper.isdigit():
+        return int(upper)
+    raise UserError(f"--max-shard-size {text}: not a size; allowed: a number of bytes or e.g. 500MB, 5GB")
 
 
 def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int) -> None:
@@ -88,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(arguments: argparse.Namespace) -> dict[str, Any]:
+    if arguments.command == "convert":
+        return _convert(arguments)
     from training.prepare import PretrainOptions, SftOptions, prepare_pretrain, prepare_sft
     from training.sources import resolve_source
 
@@ -125,5 +163,29 @@ def _run(arguments: argparse.Namespace) -> dict[str, Any]:
             max_examples=arguments.max_examples,
             skip_bad_records=arguments.skip_bad_records,
             overwrite=arguments.overwrite,
+        )
+    )
+
+
+def _convert(arguments: argparse.Namespace) -> dict[str, Any]:
+    from training.convert import ConvertOptions, convert
+
+    return convert(
+        ConvertOptions(
+            source_format=arguments.source_format,
+            target_format=arguments.target_format,
+            input=arguments.input,
+            output=arguments.output,
+            tp=arguments.tp,
+            pp=arguments.pp,
+            kv_multiplier=arguments.kv_multiplier,
+            fuse_qkv=arguments.fuse_qkv,
+            xser=arguments.xser,
+            config=arguments.config,
+            force=arguments.force,
+            overwrite=arguments.overwrite,
+            verify=arguments.verify,
+            workers=arguments.workers,
+            max_shard_bytes=parse_size(arguments.max_shard_size),
         )
     )

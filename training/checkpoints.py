@@ -1,0 +1,419 @@
+"""Checkpoint directories on disk: Hugging Face, neuronx-distributed (NxD) and NeMo Megatron.
+
+A source yields Hugging Face tensors group by group (embedding, each layer, final norm and head), a
+target consumes them in the same order; `training.convert` streams one into the other. Tensor layouts
+come from `training.layouts`; file formats from `training.tensor_reader` and `training.torch_files`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from training.errors import UserError
+from training.layouts import Format, ModelSpec, Parallelism, Rule, all_rules, check_parallelism, hf_shapes
+from training.tensor_reader import (
+    CheckpointError,
+    LazyTensor,
+    lazy_tensors,
+    open_checkpoint_file,
+    open_safetensors,
+    open_torch_file,
+)
+from training.torch_files import SafetensorsWriter, TorchFileWriter, XserWriter
+
+CONFIG = "config.json"
+# Copied beside converted weights so the output is usable on its own (transformers, the reverse direction).
+COMPANION_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+# Buffers some old Hugging Face checkpoints carry; recomputed by every model, never converted.
+IGNORED_HF_TENSORS = re.compile(r".*\.rotary_emb\.inv_freq$")
+NEMO_CHECKPOINT_META = {"pytorch-lightning_version": "1.9.5", "epoch": 0, "global_step": 0}
+
+
+class Source(Protocol):
+    spec: ModelSpec
+    directory: Path
+
+    def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]: ...
+
+    def read(self, rules: Sequence[Rule]) -> dict[str, torch.Tensor]: ...
+
+
+def read_config(directory: Path, override: Path | None) -> tuple[dict[str, Any], Path]:
+    """The model's config.json: `--config` if given, else beside the weights (or one or two levels up)."""
+    candidates = (
+        [override] if override else [directory / CONFIG, directory.parent / CONFIG, directory.parent.parent / CONFIG]
+    )
+    for candidate in candidates:
+        if candidate and candidate.is_file():
+            try:
+                return dict(json.loads(candidate.read_text())), candidate
+            except json.JSONDecodeError as error:
+                raise UserError(f"{candidate}: not valid JSON ({error.msg})") from None
+    where = override if override else directory / CONFIG
+    raise UserError(
+        f"{where}: missing; the model's config.json is required (pass --config for checkpoints without one)"
+    )
+
+
+def hf_names_in_order(spec: ModelSpec, groups: Sequence[Sequence[Rule]]) -> list[str]:
+    """Hugging Face names in streaming order, each once (a tied head reuses the embedding)."""
+    seen: dict[str, None] = {}
+    for rules in groups:
+        for rule in rules:
+            seen.update(dict.fromkeys(rule.sources))
+    return list(seen)
+
+
+# --- Hugging Face ------------------------------------------------------------------------------------------
+
+
+class HfSource:
+    """config.json plus safetensors (single or sharded), pytorch_model*.bin, or one consolidated .pt."""
+
+    def __init__(self, directory: Path, config_override: Path | None) -> None:
+        self.directory = directory
+        self.config, self.config_path = read_config(directory, config_override)
+        self.spec = ModelSpec.from_config(self.config)
+        self.tensors = self._open_weights()
+        shapes = hf_shapes(self.spec)
+        missing = [name for name in shapes if name not in self.tensors]
+        if missing:
+            raise UserError(f"{directory}: missing tensors for this config, e.g. {', '.join(missing[:3])}")
+        for name, shape in shapes.items():
+            if self.tensors[name].shape != shape:
+                raise UserError(
+                    f"{directory}: {name} has shape {list(self.tensors[name].shape)}, config.json implies {list(shape)}"
+                )
+        self.unexpected = sorted(n for n in self.tensors if n not in shapes and not IGNORED_HF_TENSORS.match(n))
+        if self.unexpected:
+            raise UserError(f"{directory}: tensors this converter does not know, e.g. {', '.join(self.unexpected[:3])}")
+
+    def _open_weights(self) -> dict[str, LazyTensor]:
+        d = self.directory
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index_path = d / index_name
+            if index_path.is_file():
+                weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+                absent = sorted({f for f in weight_map.values() if not (d / f).is_file()})
+                if absent:
+                    raise UserError(f"{index_path}: names shard files that do not exist: {', '.join(absent)}")
+                return self._open_files([d / f for f in sorted(set(weight_map.values()))])
+        files = sorted(d.glob("*.safetensors")) or sorted(d.glob("pytorch_model*.bin")) or sorted(d.glob("*.pt"))
+        if not files:
+            raise UserError(f"{d}: no weights found (*.safetensors, pytorch_model*.bin or a consolidated .pt)")
+        return self._open_files(files)
+
+    @staticmethod
+    def _open_files(files: Sequence[Path]) -> dict[str, LazyTensor]:
+        tensors: dict[str, LazyTensor] = {}
+        for file in files:
+            try:
+                if file.suffix == ".safetensors":
+                    tensors |= open_safetensors(file)
+                else:
+                    root = open_torch_file(file)
+                    state = root.get("state_dict", root) if isinstance(root, dict) else root
+                    tensors |= dict(lazy_tensors(state))
+            except CheckpointError as error:
+                raise UserError(str(error)) from None
+        return tensors
+
+    def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return [(name, self.tensors[name].dtype, self.tensors[name].shape) for name in hf_shapes(self.spec)]
+
+    def read(self, rules: Sequence[Rule]) -> dict[str, torch.Tensor]:
+        names = dict.fromkeys(source for rule in rules for source in rule.sources)
+        try:
+            return {name: self.tensors[name].load() for name in names}
+        except CheckpointError as error:
+            raise UserError(str(error)) from None
+
+
+class HfTarget:
+    """Sharded safetensors with `model.safetensors.index.json`, config and tokenizer files beside them."""
+
+    def __init__(
+        self, directory: Path, plan: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_bytes: int
+    ) -> None:
+        self.directory = directory
+        self.shards = _split_plan(plan, max_shard_bytes)
+        count = len(self.shards)
+        self.files = [
+            f"model-{i + 1:05d}-of-{count:05d}.safetensors" if count > 1 else "model.safetensors" for i in range(count)
+        ]
+        self.location = {name: index for index, shard in enumerate(self.shards) for name, _, _ in shard}
+        self.total_bytes = sum(_nbytes(dtype, shape) for _, dtype, shape in plan)
+        self._current: tuple[int, SafetensorsWriter] | None = None
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            index = self.location[name]
+            if self._current is None or self._current[0] != index:
+                self._close_current()
+                writer = SafetensorsWriter(
+                    self.directory / self.files[index], self.shards[index], metadata={"format": "pt"}
+                )
+                self._current = (index, writer)
+            self._current[1].add(name, tensor)
+
+    def _close_current(self) -> None:
+        if self._current is not None:
+            self._current[1].close()
+            self._current = None
+
+    def close(self) -> None:
+        self._close_current()
+        if len(self.files) > 1:
+            index = {
+                "metadata": {"total_size": self.total_bytes},
+                "weight_map": {name: self.files[i] for name, i in sorted(self.location.items())},
+            }
+            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * torch.empty(0, dtype=dtype).element_size()
+
+
+def _split_plan(
+    plan: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max_bytes: int
+) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+    size = 0
+    for entry in plan:
+        nbytes = _nbytes(entry[1], entry[2])
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+# --- sharded layouts ---------------------------------------------------------------------------------------
+
+NXD_FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+NEMO_DIR = re.compile(r"^(?:tp_rank_(\d+)_pp_rank_(\d+)|mp_rank_(\d+))$")
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def nxd_rank_file(directory: Path, tp: int, pp: int) -> Path:
+    return directory / "model" / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+
+
+def nemo_rank_file(directory: Path, tp: int, pp: int, pipeline: int) -> Path:
+    folder = f"tp_rank_{tp:02d}_pp_rank_{pp:03d}" if pipeline > 1 else f"mp_rank_{tp:02d}"
+    return directory / folder / "model_optim_rng.ckpt"
+
+
+def resolve_nxd_directory(directory: Path, *, force: bool) -> Path:
+    """A directory holding `model/`: given directly, a `step_N` of a training run, or the run's root."""
+    if not directory.is_dir():
+        raise UserError(f"{directory}: no such directory")
+    if STEP_DIR.match(directory.name) and not (directory / "done").exists() and not force:
+        raise UserError(
+            f"{directory}: checkpoint has no 'done' marker (incomplete save?); pass --force to read it anyway"
+        )
+    if (directory / "model").is_dir():
+        return directory
+    steps = sorted(
+        (int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_DIR.match(p.name)) and (p / "model").is_dir()
+    )
+    complete = [p for _, p in steps if (p / "done").exists() or force]
+    if complete:
+        return complete[-1]
+    if steps:
+        raise UserError(
+            f"{directory}: no step_N checkpoint has a 'done' marker; pass --force to read the latest anyway"
+        )
+    raise UserError(f"{directory}: no NxD checkpoint (expected model/dp_rank_*_tp_rank_*_pp_rank_*.pt)")
+
+
+class ShardedSource:
+    """An NxD or NeMo checkpoint; degrees and QKV options are inferred from the files."""
+
+    def __init__(self, layout: Format, directory: Path, config_override: Path | None, *, force: bool) -> None:
+        self.layout = layout
+        self.directory = resolve_nxd_directory(directory, force=force) if layout == "nxd" else directory
+        if layout == "nemo" and not directory.is_dir():
+            raise UserError(f"{directory}: no such directory")
+        self.config, self.config_path = read_config(self.directory, config_override)
+        self.spec = ModelSpec.from_config(self.config)
+        files = self._rank_files()
+        self.parallelism = self._infer_parallelism(files)
+        check_parallelism(self.spec, self.parallelism, layout)
+        self.ranks: dict[tuple[int, int], dict[str, LazyTensor]] = {}
+        for rank, file in files.items():
+            try:
+                root = open_checkpoint_file(file)
+            except CheckpointError as error:
+                raise UserError(str(error)) from None
+            state = root["state_dict"] if layout == "nemo" and isinstance(root, dict) and "state_dict" in root else root
+            self.ranks[rank] = dict(lazy_tensors(state))
+        self.groups = all_rules(self.spec, self.parallelism, layout)
+
+    def _rank_files(self) -> dict[tuple[int, int], Path]:
+        files: dict[tuple[int, int], Path] = {}
+        if self.layout == "nxd":
+            for path in sorted((self.directory / "model").glob("*.pt")):
+                if (match := NXD_FILE.match(path.name)) and int(match.group(1)) == 0:
+                    files[(int(match.group(2)), int(match.group(3)))] = path
+        else:
+            for folder in sorted(p for p in self.directory.iterdir() if p.is_dir()):
+                if not (match := NEMO_DIR.match(folder.name)):
+                    continue
+                tp = int(match.group(1) if match.group(1) is not None else match.group(3))
+                pp = int(match.group(2) or 0)
+                files[(tp, pp)] = _nemo_checkpoint_in(folder)
+        if not files:
+            expected = (
+                "model/dp_rank_00_tp_rank_*_pp_rank_*.pt"
+                if self.layout == "nxd"
+                else "tp_rank_*_pp_rank_*/ or mp_rank_*/"
+            )
+            raise UserError(f"{self.directory}: no {self.layout} checkpoint files ({expected})")
+        tps = 1 + max(tp for tp, _ in files)
+        pps = 1 + max(pp for _, pp in files)
+        absent = [f"tp {tp} pp {pp}" for pp in range(pps) for tp in range(tps) if (tp, pp) not in files]
+        if absent:
+            raise UserError(f"{self.directory}: rank files missing for {', '.join(absent[:4])}")
+        return files
+
+    def _infer_parallelism(self, files: dict[tuple[int, int], Path]) -> Parallelism:
+        tp = 1 + max(t for t, _ in files)
+        pp = 1 + max(p for _, p in files)
+        if self.layout == "nemo":
+            return Parallelism(tp=tp, pp=pp)
+        first = {name: tensor for name, tensor in lazy_tensors(open_checkpoint_file(files[(0, 0)]))}
+        prefix = "model.layers.0.self_attn.qkv_proj."
+        fuse = f"{prefix}weight_qkv" in first
+        if fuse:
+            q_rows = self.spec.num_heads * self.spec.head_dim // tp
+            kv_rows = (first[f"{prefix}weight_qkv"].shape[0] - q_rows) // 2
+        elif f"{prefix}weight_k" in first:
+            kv_rows = first[f"{prefix}weight_k"].shape[0]
+        else:
+            raise UserError(f"{files[(0, 0)]}: no {prefix}weight_k or weight_qkv; not an NxD Llama/Mixtral checkpoint")
+        multiplier = kv_rows * tp // (self.spec.num_kv_heads * self.spec.head_dim)
+        return Parallelism(tp=tp, pp=pp, kv_multiplier=max(multiplier, 1), fuse_qkv=fuse)
+
+    def _shards(self, rule: Rule) -> list[LazyTensor]:
+        shards = []
+        for tp in range(self.parallelism.tp):
+            tensor = self.ranks[(tp, rule.stage)].get(rule.target)
+            if tensor is None:
+                raise UserError(f"{self.directory}: rank tp {tp} pp {rule.stage} has no {rule.target}")
+            shards.append(tensor)
+        return shards
+
+    def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        shapes = hf_shapes(self.spec)
+        dtypes = {}
+        for rules in self.groups:
+            for rule in rules:
+                dtype = self._shards(rule)[0].dtype
+                dtypes |= dict.fromkeys(rule.sources, dtype)
+        return [
+            (name, dtypes[name], shapes[name]) for name in hf_names_in_order(self.spec, self.groups) if name in shapes
+        ]
+
+    def read(self, rules: Sequence[Rule]) -> dict[str, torch.Tensor]:
+        result: dict[str, torch.Tensor] = {}
+        for rule in rules:
+            try:
+                shards = [shard.load() for shard in self._shards(rule)]
+            except CheckpointError as error:
+                raise UserError(str(error)) from None
+            result |= dict(zip(rule.sources, rule.merge(shards), strict=True))
+        return result
+
+
+def _nemo_checkpoint_in(folder: Path) -> Path:
+    """`model_optim_rng.ckpt`, else the training checkpoint with the highest step in its name."""
+    if (folder / "model_optim_rng.ckpt").is_file():
+        return folder / "model_optim_rng.ckpt"
+    candidates = sorted(
+        folder.glob("*.ckpt"), key=lambda p: int(m.group(1)) if (m := re.search(r"step=(\d+)", p.name)) else -1
+    )
+    if not candidates:
+        raise UserError(f"{folder}: no model_optim_rng.ckpt or *.ckpt")
+    return candidates[-1]
+
+
+class ShardedTarget:
+    """Writes every rank's file at once, tensor by tensor, ranks in parallel."""
+
+    def __init__(
+        self, layout: Format, directory: Path, spec: ModelSpec, parallelism: Parallelism, *, xser: bool, workers: int
+    ) -> None:
+        check_parallelism(spec, parallelism, layout)
+        self.layout, self.parallelism = layout, parallelism
+        writer_type: Callable[[Path], TorchFileWriter | XserWriter] = XserWriter if xser else TorchFileWriter
+        self.writers: dict[tuple[int, int], TorchFileWriter | XserWriter] = {}
+        for tp, pp in parallelism.ranks():
+            path = (
+                nxd_rank_file(directory, tp, pp)
+                if layout == "nxd"
+                else nemo_rank_file(directory, tp, pp, parallelism.pp)
+            )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.writers[(tp, pp)] = writer_type(path)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, workers))
+
+    def write_group(self, rules: Sequence[Rule], tensors: dict[str, torch.Tensor]) -> None:
+        per_rank: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {rank: [] for rank in self.writers}
+        for rule in rules:
+            sources = [tensors[name] for name in rule.sources]
+            dtypes = {t.dtype for t in sources}
+            if len(dtypes) > 1:
+                listing = ", ".join(f"{n} is {t.dtype}" for n, t in zip(rule.sources, sources, strict=True))
+                raise UserError(f"{rule.target} needs one dtype but {listing}")
+            for tp, shard in enumerate(rule.split(sources)):
+                per_rank[(tp, rule.stage)].append((rule.target, shard))
+        jobs = [self.pool.submit(self._add_all, rank, items) for rank, items in per_rank.items() if items]
+        for job in jobs:
+            job.result()
+
+    def _add_all(self, rank: tuple[int, int], items: list[tuple[str, torch.Tensor]]) -> None:
+        for key, tensor in items:
+            self.writers[rank].add(key, tensor)
+
+    def close(self) -> None:
+        def wrap(state: dict[str, torch.Tensor]) -> object:
+            return {"state_dict": state, **NEMO_CHECKPOINT_META} if self.layout == "nemo" else state
+
+        jobs = [self.pool.submit(writer.close, wrap) for writer in self.writers.values()]
+        for job in jobs:
+            job.result()
+        self.pool.shutdown()
+
+
+def copy_companions(source: Path, config_path: Path, target: Path) -> list[str]:
+    """config.json and the tokenizer/generation files beside the weights, so the output stands alone."""
+    shutil.copyfile(config_path, target / CONFIG)
+    copied = [CONFIG]
+    for name in COMPANION_FILES:
+        for folder in (source, config_path.parent):
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, target / name)
+                copied.append(name)
+                break
+    return copied

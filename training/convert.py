@@ -1,0 +1,186 @@
+"""`python -m training convert`: Hugging Face <-> NxD / NeMo, streamed one layer at a time.
+
+The converter never loads a whole model: each group (embedding, one layer, final norm and head) is
+read, re-cut and written before the next is touched, and every rank's file is written at the same time.
+With `--verify` the output is read back, converted back to Hugging Face tensors and compared with the
+input's SHA-256 checksums, shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tqdm import tqdm
+
+from training.checkpoints import HfSource, HfTarget, ShardedSource, ShardedTarget, Source, copy_companions
+from training.errors import UserError
+from training.layouts import Parallelism, Rule, all_rules, default_kv_multiplier
+from training.outputs import atomic_directory, reusable, write_manifest
+
+CheckpointFormat = Literal["hf", "nxd", "nemo"]
+FORMATS: tuple[CheckpointFormat, ...] = ("hf", "nxd", "nemo")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    source_format: CheckpointFormat
+    target_format: CheckpointFormat
+    input: Path
+    output: Path
+    tp: int | None = None
+    pp: int = 1
+    kv_multiplier: int | None = None
+    fuse_qkv: bool = False
+    xser: bool = False
+    config: Path | None = None
+    force: bool = False
+    overwrite: bool = False
+    verify: bool = False
+    workers: int = 4
+    max_shard_bytes: int = 5 * 1024**3
+
+
+def convert(options: ConvertOptions) -> dict[str, Any]:
+    """Convert a checkpoint; returns the manifest written beside the output."""
+    if options.source_format == options.target_format:
+        raise UserError(f"--from and --to are both {options.source_format}; nothing to convert")
+    if "hf" not in (options.source_format, options.target_format):
+        raise UserError("one side must be hf (convert nxd <-> nemo through hf)")
+    source = open_source(options.source_format, options.input, options.config, force=options.force)
+    parallelism = target_parallelism(options, source)
+    groups = all_rules(source.spec, parallelism, _layout(options, source))
+    fingerprint = {
+        "from": options.source_format,
+        "to": options.target_format,
+        "input": _fingerprint_files(source.directory),
+        "parallelism": parallelism.__dict__ if options.target_format != "hf" else None,
+        "xser": options.xser,
+        "max_shard_bytes": options.max_shard_bytes if options.target_format == "hf" else None,
+    }
+    if (manifest := reusable(options.output, fingerprint, overwrite=options.overwrite)) is not None:
+        return {**manifest, "reused": True}
+
+    started = time.monotonic()
+    checksums: dict[str, str] = {}
+    plan = source.plan()
+    hf_names = {name for name, _, _ in plan}
+    with atomic_directory(options.output) as output:
+        target: HfTarget | ShardedTarget
+        if options.target_format == "hf":
+            target = HfTarget(output, plan, options.max_shard_bytes)
+        else:
+            target = ShardedTarget(
+                options.target_format, output, source.spec, parallelism, xser=options.xser, workers=options.workers
+            )
+        for rules in tqdm(
+            groups, desc=f"{options.source_format} -> {options.target_format}", unit=" layers", disable=None
+        ):
+            tensors = source.read(rules)
+            checksums |= {name: tensor_sha256(t) for name, t in tensors.items() if name in hf_names}
+            if isinstance(target, HfTarget):
+                target.write({name: tensors[name] for name in _hf_order(rules) if name in hf_names})
+            else:
+                target.write_group(rules, tensors)
+        target.close()
+        companions = copy_companions(source.directory, source.config_path, output)
+        verified = verify(options.target_format, output, checksums, options.config) if options.verify else None
+        manifest = {
+            "kind": "convert",
+            "fingerprint": fingerprint,
+            "from": options.source_format,
+            "to": options.target_format,
+            "input": str(options.input),
+            "architecture": source.spec.architecture,
+            "parallelism": {
+                "tp": parallelism.tp,
+                "pp": parallelism.pp,
+                "kv_size_multiplier": parallelism.kv_multiplier,
+                "fuse_qkv": parallelism.fuse_qkv,
+            },
+            "xser": options.xser,
+            "tensors": len(checksums),
+            "bytes": sum(_tensor_bytes(entry) for entry in plan),
+            "companion_files": companions,
+            "verified_tensors": verified,
+            "elapsed_seconds": round(time.monotonic() - started, 3),
+        }
+        write_manifest(output, manifest)
+    return manifest
+
+
+def open_source(fmt: CheckpointFormat, directory: Path, config: Path | None, *, force: bool) -> Source:
+    if not directory.exists():
+        raise UserError(f"--input {directory}: no such directory")
+    if fmt == "hf":
+        return HfSource(directory, config)
+    return ShardedSource(fmt, directory, config, force=force)
+
+
+def target_parallelism(options: ConvertOptions, source: Source) -> Parallelism:
+    """The layout to write (to nxd/nemo), or the one read (from nxd/nemo)."""
+    if isinstance(source, ShardedSource):
+        return source.parallelism
+    if options.tp is None:
+        raise UserError(f"--tp is required when converting to {options.target_format}")
+    multiplier = 1
+    if options.target_format == "nxd":
+        multiplier = options.kv_multiplier or default_kv_multiplier(source.spec, options.tp)
+    return Parallelism(tp=options.tp, pp=options.pp, kv_multiplier=multiplier, fuse_qkv=options.fuse_qkv)
+
+
+def verify(fmt: CheckpointFormat, output: Path, checksums: dict[str, str], config: Path | None) -> int:
+    """Read the output back as a source and compare every Hugging Face tensor with the input's checksum."""
+    written = open_source(fmt, output, config, force=True)
+    plan = {name: (dtype, shape) for name, dtype, shape in written.plan()}
+    groups: Sequence[Sequence[Rule]] = (
+        written.groups if isinstance(written, ShardedSource) else all_rules(written.spec, Parallelism(), "nxd")
+    )
+    checked = 0
+    for rules in groups:
+        for name, tensor in written.read(rules).items():
+            if name not in checksums:
+                continue
+            if (tensor.dtype, tuple(tensor.shape)) != plan[name] or tensor_sha256(tensor) != checksums[name]:
+                raise UserError(f"verification failed: {name} differs from the input after conversion")
+            checked += 1
+    missing = set(checksums) - {n for n in plan}
+    if missing:
+        raise UserError(f"verification failed: output lacks {', '.join(sorted(missing)[:3])}")
+    return checked
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    data = tensor.contiguous().view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def _hf_order(rules: Sequence[Rule]) -> list[str]:
+    return list(dict.fromkeys(name for rule in rules for name in rule.sources))
+
+
+def _layout(options: ConvertOptions, source: Source) -> Literal["nxd", "nemo"]:
+    if isinstance(source, ShardedSource):
+        return source.layout
+    return "nemo" if options.target_format == "nemo" else "nxd"
+
+
+def _tensor_bytes(entry: tuple[str, torch.dtype, tuple[int, ...]]) -> int:
+    count = 1
+    for size in entry[2]:
+        count *= size
+    return count * torch.empty(0, dtype=entry[1]).element_size()
+
+
+def _fingerprint_files(directory: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.relative_to(directory)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return {"directory": str(directory.resolve()), "files": len(files), "sha256": digest.hexdigest()}

@@ -1,0 +1,434 @@
+"""Checkpoint layouts: which Hugging Face tensor becomes which shard of which rank, and back.
+
+The one definition shared by the converter and by the training job's loader and saver. Everything here
+is pure tensor arithmetic (no files), organised as rules: a rule takes the Hugging Face tensors it names
+and returns one tensor per tensor-parallel rank (`split`), and turns the per-rank tensors back into the
+Hugging Face tensors (`merge`). Facts behind each rule: REFERENCE.md sections 5 (neuronx-distributed)
+and 6 (NeMo Megatron).
+
+NxD, Mixtral: the experts are stacked and fused the way neuronx-distributed's MoE modules hold them
+(`mlp.expert_mlps.mlp_op.gate_up_proj.weight` [E, H, 2I] split on its last dim with gate and up halves
+per rank, `down_proj.weight` [E, I, H] split on dim 1), and the router
+(`mlp.router.linear_router.weight` [E, H]) is replicated on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from training.errors import UserError
+
+Format = Literal["nxd", "nemo"]
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shapes that decide how a model is cut, read from its Hugging Face `config.json`."""
+
+    architecture: Literal["llama", "mixtral"]
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_experts: int = 0
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelSpec:
+        model_type = config.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise UserError(
+                f"config.json: model_type {model_type!r} is not supported; allowed: {', '.join(ARCHITECTURES)}"
+            )
+        architecture = ARCHITECTURES[model_type]
+        heads = int(config["num_attention_heads"])
+        return cls(
+            architecture="mixtral" if architecture == "mixtral" else "llama",
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            vocab_size=int(config["vocab_size"]),
+            num_experts=int(config.get("num_local_experts", 0)) if architecture == "mixtral" else 0,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tp: int = 1
+    pp: int = 1
+    kv_multiplier: int = 1
+    fuse_qkv: bool = False
+
+    def ranks(self) -> list[tuple[int, int]]:
+        """(tp, pp) of every rank, pipeline stage major."""
+        return [(tp, pp) for pp in range(self.pp) for tp in range(self.tp)]
+
+
+def check_parallelism(spec: ModelSpec, parallelism: Parallelism, layout: Format) -> None:
+    """Refuse degrees that do not divide the model, naming the dimension and the values that would work."""
+    tp, pp, multiplier = parallelism.tp, parallelism.pp, parallelism.kv_multiplier
+    if tp < 1 or pp < 1 or multiplier < 1:
+        raise UserError("--tp, --pp and --kv-size-multiplier must be at least 1")
+    problems = tp_problems(spec, tp, layout)
+    if problems:
+        valid = [t for t in range(1, 129) if not tp_problems(spec, t, layout)]
+        raise UserError(f"--tp {tp}: {problems[0]}; --tp values that fit this model: {', '.join(map(str, valid))}")
+    if layout == "nxd" and multiplier not in kv_multipliers(spec, tp):
+        allowed = ", ".join(map(str, kv_multipliers(spec, tp)))
+        raise UserError(
+            f"--kv-size-multiplier {multiplier}: {spec.num_kv_heads} KV heads x {multiplier} do not spread evenly "
+            f"over {tp} ranks with whole query-head groups; allowed with --tp {tp}: {allowed}"
+        )
+    if spec.num_layers % pp:
+        valid = [p for p in range(1, spec.num_layers + 1) if spec.num_layers % p == 0]
+        raise UserError(
+            f"--pp {pp}: {spec.num_layers} layers do not split evenly into {pp} stages; "
+            f"allowed: {', '.join(map(str, valid))}"
+        )
+
+
+def kv_multipliers(spec: ModelSpec, tp: int) -> list[int]:
+    """Replication factors m for NxD's GQA layer: kv*m divisible by tp, query group divisible by m."""
+    group = spec.num_heads // spec.num_kv_heads
+    return [m for m in range(1, group + 1) if (spec.num_kv_heads * m) % tp == 0 and group % m == 0]
+
+
+def tp_problems(spec: ModelSpec, tp: int, layout: Format) -> list[str]:
+    problems = []
+    for name, size in (
+        ("query heads", spec.num_heads),
+        ("vocabulary size", spec.vocab_size),
+        ("intermediate size", spec.intermediate_size),
+    ):
+        if size % tp:
+            problems.append(f"{name} {size} is not divisible by {tp}")
+    if layout == "nemo" and spec.num_kv_heads % tp:
+        problems.append(f"{spec.num_kv_heads} KV heads are not divisible by {tp} (NeMo does not replicate KV heads)")
+    if layout == "nxd" and not problems and not kv_multipliers(spec, tp):
+        problems.append(f"no KV-size multiplier spreads {spec.num_kv_heads} KV heads over {tp} ranks")
+    return problems
+
+
+def default_kv_multiplier(spec: ModelSpec, tp: int) -> int:
+    """The smallest multiplier that gives every rank a KV head (4 for Llama 3 8B at TP 32)."""
+    fits = kv_multipliers(spec, tp)
+    return fits[0] if fits else 1
+
+
+def stage_of_layer(spec: ModelSpec, parallelism: Parallelism, layer: int) -> tuple[int, int]:
+    """(pipeline stage, local layer index): layers are split contiguously over stages."""
+    per_stage = spec.num_layers // parallelism.pp
+    return layer // per_stage, layer % per_stage
+
+
+def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the Hugging Face checkpoint and its shape."""
+    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {
+            f"{p}input_layernorm.weight": (h,),
+            f"{p}post_attention_layernorm.weight": (h,),
+            f"{p}self_attn.q_proj.weight": (spec.num_heads * d, h),
+            f"{p}self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
+            f"{p}self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
+            f"{p}self_attn.o_proj.weight": (h, spec.num_heads * d),
+        }
+        if spec.architecture == "llama":
+            shapes |= {
+                f"{p}mlp.gate_proj.weight": (i, h),
+                f"{p}mlp.up_proj.weight": (i, h),
+                f"{p}mlp.down_proj.weight": (h, i),
+            }
+        else:
+            shapes[f"{p}block_sparse_moe.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                expert = f"{p}block_sparse_moe.experts.{e}."
+                shapes |= {f"{expert}w1.weight": (i, h), f"{expert}w3.weight": (i, h), f"{expert}w2.weight": (h, i)}
+    return shapes
+
+
+# --- rules --------------------------------------------------------------------------------------------
+
+Split = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+Merge = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Hugging Face tensors `sources` <-> one tensor per TP rank stored under `target` on `stage`."""
+
+    sources: tuple[str, ...]
+    target: str
+    stage: int
+    split: Split = field(compare=False)
+    merge: Merge = field(compare=False)
+
+
+def chunk(dim: int, tp: int) -> tuple[Split, Merge]:
+    """Even split along `dim` (column/row-parallel linear, vocab-parallel embedding)."""
+    return (
+        lambda sources: list(torch.chunk(sources[0], tp, dim=dim)),
+        lambda shards: [torch.cat(list(shards), dim=dim)],
+    )
+
+
+def replicate(tp: int) -> tuple[Split, Merge]:
+    """The same tensor on every rank (norms, the MoE router in NxD); merge takes rank 0's copy."""
+    return (lambda sources: [sources[0]] * tp, lambda shards: [shards[0]])
+
+
+def query_head_order(spec: ModelSpec, parallelism: Parallelism) -> list[list[int]]:
+    """Query heads held by each TP rank in neuronx-distributed's GQA layout.
+
+    K/V are repeated `m` times and cut evenly, so rank r holds the replicas at tiled positions
+    [r*c, (r+1)*c) (c = kv*m/tp), position p being KV head p % kv, replica p // kv. The query heads of KV
+    head j are split into m equal parts; replica k of head j takes part k. For Llama 3 8B at TP 32
+    (m = 4) rank r holds query head 4*(r % 8) + r // 8.
+    """
+    kv, m, tp = spec.num_kv_heads, parallelism.kv_multiplier, parallelism.tp
+    group = spec.num_heads // kv
+    part = group // m
+    per_rank = kv * m // tp
+    order = []
+    for rank in range(tp):
+        heads: list[int] = []
+        for position in range(rank * per_rank, (rank + 1) * per_rank):
+            head, replica = position % kv, position // kv
+            heads += range(head * group + replica * part, head * group + (replica + 1) * part)
+        order.append(heads)
+    return order
+
+
+def _head_rows(tensor: torch.Tensor, heads: Sequence[int], head_dim: int) -> torch.Tensor:
+    return torch.cat([tensor[h * head_dim : (h + 1) * head_dim] for h in heads], dim=0)
+
+
+def nxd_query(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Merge]:
+    order = query_head_order(spec, parallelism)
+    inverse = _inverse_order(order, spec.head_dim)
+    return (
+        lambda sources: [_head_rows(sources[0], heads, spec.head_dim) for heads in order],
+        lambda shards: [torch.cat(list(shards), dim=0)[inverse]],
+    )
+
+
+def nxd_output(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Merge]:
+    """o_proj columns follow the query heads of each rank."""
+    order = query_head_order(spec, parallelism)
+    inverse = _inverse_order(order, spec.head_dim)
+    return (
+        lambda sources: [_head_rows(sources[0].t(), heads, spec.head_dim).t() for heads in order],
+        lambda shards: [torch.cat(list(shards), dim=1)[:, inverse]],
+    )
+
+
+def _inverse_order(order: list[list[int]], head_dim: int) -> torch.Tensor:
+    """Row index that puts rank-ordered query rows back in Hugging Face head order."""
+    flat = [h for heads in order for h in heads]
+    positions = torch.empty(len(flat), dtype=torch.long)
+    positions[torch.tensor(flat)] = torch.arange(len(flat))
+    return (positions[:, None] * head_dim + torch.arange(head_dim)[None, :]).reshape(-1)
+
+
+def nxd_key_value(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Merge]:
+    """Repeat `m` times, cut evenly; merge keeps the first of the `m` identical copies."""
+    tp, m = parallelism.tp, parallelism.kv_multiplier
+    rows = spec.num_kv_heads * spec.head_dim
+    return (
+        lambda sources: list(torch.chunk(sources[0].repeat(m, 1), tp, dim=0)),
+        lambda shards: [torch.cat(list(shards), dim=0)[:rows]],
+    )
+
+
+def fused(parts: Sequence[tuple[Split, Merge]], sizes: Sequence[int], dim: int) -> tuple[Split, Merge]:
+    """Several sources, each split by its own rule, concatenated per rank along `dim`.
+
+    `sizes` are the per-rank sizes of the parts along `dim`, needed to take a fused shard apart.
+    """
+
+    def split(sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        per_part = [part_split([source]) for (part_split, _), source in zip(parts, sources, strict=True)]
+        return [torch.cat([shards[rank] for shards in per_part], dim=dim) for rank in range(len(per_part[0]))]
+
+    def merge(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        pieces = [torch.split(shard, list(sizes), dim=dim) for shard in shards]
+        return [part_merge([p[index] for p in pieces])[0] for index, (_, part_merge) in enumerate(parts)]
+
+    return split, merge
+
+
+def nxd_expert_gate_up(spec: ModelSpec, tp: int) -> tuple[Split, Merge]:
+    """Sources [w1 of every expert..., w3 of every expert...] ([I, H] each) <-> [E, H, 2I/tp] per rank."""
+    experts, part = spec.num_experts, spec.intermediate_size // tp
+
+    def split(sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        gate = torch.stack([w.t() for w in sources[:experts]])
+        up = torch.stack([w.t() for w in sources[experts:]])
+        return [torch.cat([g, u], dim=2) for g, u in zip(gate.chunk(tp, 2), up.chunk(tp, 2), strict=True)]
+
+    def merge(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        halves = [torch.split(shard, part, dim=2) for shard in shards]
+        gate = torch.cat([h[0] for h in halves], dim=2)
+        up = torch.cat([h[1] for h in halves], dim=2)
+        return [w.t() for w in gate.unbind(0)] + [w.t() for w in up.unbind(0)]
+
+    return split, merge
+
+
+def nxd_expert_down(tp: int) -> tuple[Split, Merge]:
+    """Sources [w2 of every expert] ([H, I] each) <-> [E, I/tp, H] per rank."""
+
+    def split(sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch.stack([w.t() for w in sources]).chunk(tp, 1))
+
+    def merge(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [w.t() for w in torch.cat(list(shards), dim=1).unbind(0)]
+
+    return split, merge
+
+
+def nemo_key_value(spec: ModelSpec, tp: int) -> tuple[Split, Merge]:
+    """cat(k, v) re-ordered per KV head as [k_h0; v_h0; k_h1; v_h1; ...], then cut evenly."""
+    kv, d = spec.num_kv_heads, spec.head_dim
+
+    def split(sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        k, v = sources
+        interleaved = torch.stack([k.reshape(kv, d, -1), v.reshape(kv, d, -1)], dim=1).reshape(2 * kv * d, -1)
+        return list(torch.chunk(interleaved, tp, dim=0))
+
+    def merge(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        pairs = torch.cat(list(shards), dim=0).reshape(kv, 2, d, -1)
+        return [pairs[:, 0].reshape(kv * d, -1), pairs[:, 1].reshape(kv * d, -1)]
+
+    return split, merge
+
+
+# --- the layouts --------------------------------------------------------------------------------------
+
+RuleParts = list[tuple[tuple[str, ...], str, tuple[Split, Merge]]]
+
+
+def layer_rules(spec: ModelSpec, parallelism: Parallelism, layout: Format, layer: int) -> list[Rule]:
+    """Rules of one transformer layer; the unit the converter streams."""
+    stage, local = stage_of_layer(spec, parallelism, layer)
+    hf = f"model.layers.{layer}."
+    parts = _nxd_layer(spec, parallelism, hf) if layout == "nxd" else _nemo_layer(spec, parallelism.tp, hf, local)
+    return [Rule(sources, target, stage, *functions) for sources, target, functions in parts]
+
+
+def global_rules(spec: ModelSpec, parallelism: Parallelism, layout: Format) -> tuple[list[Rule], list[Rule]]:
+    """(rules before the first layer, rules after the last): embedding; final norm and LM head.
+
+    A tied LM head is written as a copy of the embedding (both layouts keep a separate output layer)
+    and not written back to Hugging Face.
+    """
+    tp, last = parallelism.tp, parallelism.pp - 1
+    names = {
+        "nxd": ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
+        "nemo": (
+            "model.language_model.embedding.word_embeddings.weight",
+            "model.language_model.encoder.final_layernorm.weight",
+            "model.language_model.output_layer.weight",
+        ),
+    }[layout]
+    head_source = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    first = [Rule(("model.embed_tokens.weight",), names[0], 0, *chunk(0, tp))]
+    final = [
+        Rule(("model.norm.weight",), names[1], last, *replicate(tp)),
+        Rule((head_source,), names[2], last, *chunk(0, tp)),
+    ]
+    return first, final
+
+
+def all_rules(spec: ModelSpec, parallelism: Parallelism, layout: Format) -> list[list[Rule]]:
+    """Rules grouped in streaming order: embedding, each layer, final norm and head."""
+    first, final = global_rules(spec, parallelism, layout)
+    return [first, *(layer_rules(spec, parallelism, layout, i) for i in range(spec.num_layers)), final]
+
+
+def _nxd_layer(spec: ModelSpec, parallelism: Parallelism, hf: str) -> RuleParts:
+    tp = parallelism.tp
+    attention = f"{hf}self_attn."
+    q, k, v = (f"{attention}{name}_proj.weight" for name in ("q", "k", "v"))
+    qkv = f"{attention}qkv_proj."
+    query, key_value = nxd_query(spec, parallelism), nxd_key_value(spec, parallelism)
+    rules: RuleParts
+    if parallelism.fuse_qkv:
+        q_rows = spec.num_heads * spec.head_dim // tp
+        kv_rows = spec.num_kv_heads * parallelism.kv_multiplier * spec.head_dim // tp
+        sizes = [q_rows, kv_rows, kv_rows]
+        rules = [((q, k, v), f"{qkv}weight_qkv", fused([query, key_value, key_value], sizes, 0))]
+    else:
+        rules = [((q,), f"{qkv}weight_q", query), ((k,), f"{qkv}weight_k", key_value)]
+        rules.append(((v,), f"{qkv}weight_v", key_value))
+    rules += [
+        ((f"{attention}o_proj.weight",), f"{attention}o_proj.weight", nxd_output(spec, parallelism)),
+        ((f"{hf}input_layernorm.weight",), f"{hf}input_layernorm.weight", replicate(tp)),
+        ((f"{hf}post_attention_layernorm.weight",), f"{hf}post_attention_layernorm.weight", replicate(tp)),
+    ]
+    if spec.architecture == "llama":
+        mlp, part = f"{hf}mlp.", spec.intermediate_size // tp
+        gate_up = fused([chunk(0, tp), chunk(0, tp)], [part, part], 0)
+        return rules + [
+            ((f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"), f"{mlp}gate_up_proj.weight", gate_up),
+            ((f"{mlp}down_proj.weight",), f"{mlp}down_proj.weight", chunk(1, tp)),
+        ]
+    moe, experts = f"{hf}block_sparse_moe.", range(spec.num_experts)
+    gates = tuple(f"{moe}experts.{e}.w1.weight" for e in experts)
+    ups = tuple(f"{moe}experts.{e}.w3.weight" for e in experts)
+    downs = tuple(f"{moe}experts.{e}.w2.weight" for e in experts)
+    stacked = f"{hf}mlp.expert_mlps.mlp_op."
+    return rules + [
+        ((f"{moe}gate.weight",), f"{hf}mlp.router.linear_router.weight", replicate(tp)),
+        (gates + ups, f"{stacked}gate_up_proj.weight", nxd_expert_gate_up(spec, tp)),
+        (downs, f"{stacked}down_proj.weight", nxd_expert_down(tp)),
+    ]
+
+
+def _nemo_layer(spec: ModelSpec, tp: int, hf: str, local: int) -> RuleParts:
+    nemo = f"model.language_model.encoder.layers.{local}."
+    attention = f"{hf}self_attn."
+    rules: RuleParts = [
+        ((f"{hf}input_layernorm.weight",), f"{nemo}input_layernorm.weight", replicate(tp)),
+        ((f"{attention}q_proj.weight",), f"{nemo}self_attention.query.weight", chunk(0, tp)),
+        (
+            (f"{attention}k_proj.weight", f"{attention}v_proj.weight"),
+            f"{nemo}self_attention.key_value.weight",
+            nemo_key_value(spec, tp),
+        ),
+        ((f"{attention}o_proj.weight",), f"{nemo}self_attention.dense.weight", chunk(1, tp)),
+        ((f"{hf}post_attention_layernorm.weight",), f"{nemo}post_attention_layernorm.weight", replicate(tp)),
+    ]
+    if spec.architecture == "llama":
+        mlp = f"{hf}mlp."
+        return rules + [
+            ((f"{mlp}gate_proj.weight",), f"{nemo}mlp.dense_h_to_4h.weight", chunk(0, tp)),
+            ((f"{mlp}up_proj.weight",), f"{nemo}mlp.dense_h_to_4h_2.weight", chunk(0, tp)),
+            ((f"{mlp}down_proj.weight",), f"{nemo}mlp.dense_4h_to_h.weight", chunk(1, tp)),
+        ]
+    moe = f"{hf}block_sparse_moe."
+    rules.append(((f"{moe}gate.weight",), f"{nemo}mlp.router.gate.weight", chunk(1, tp)))
+    for e in range(spec.num_experts):
+        expert, target = f"{moe}experts.{e}.", f"{nemo}mlp.experts.{e}."
+        rules += [
+            ((f"{expert}w1.weight",), f"{target}dense_h_to_4h.weight", chunk(0, tp)),
+            ((f"{expert}w3.weight",), f"{target}dense_h_to_4h_2.weight", chunk(0, tp)),
+            ((f"{expert}w2.weight",), f"{target}dense_4h_to_h.weight", chunk(1, tp)),
+        ]
+    return rules
