@@ -26,6 +26,7 @@ from training.tensor_reader import (
     open_checkpoint_file,
     open_safetensors,
     open_torch_file,
+    release_mappings,
 )
 from training.torch_files import SafetensorsWriter, TorchFileWriter, XserWriter
 
@@ -47,6 +48,7 @@ NEMO_CHECKPOINT_META = {"pytorch-lightning_version": "1.9.5", "epoch": 0, "globa
 class Source(Protocol):
     spec: ModelSpec
     directory: Path
+    config_path: Path
 
     def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]: ...
 
@@ -326,7 +328,7 @@ class ShardedSource:
 
     def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         shapes = hf_shapes(self.spec)
-        dtypes = {}
+        dtypes: dict[str, torch.dtype] = {}
         for rules in self.groups:
             for rule in rules:
                 dtype = self._shards(rule)[0].dtype
@@ -343,6 +345,8 @@ class ShardedSource:
             except CheckpointError as error:
                 raise UserError(str(error)) from None
             result |= dict(zip(rule.sources, rule.merge(shards), strict=True))
+            del shards
+            release_mappings()  # merged tensors are copies; the shards' pages can go
         return result
 
 
@@ -359,7 +363,7 @@ def _nemo_checkpoint_in(folder: Path) -> Path:
 
 
 class ShardedTarget:
-    """Writes every rank's file at once, tensor by tensor, ranks in parallel."""
+    """Writes every rank's file at once, tensor by tensor: the working set is one tensor and its shards."""
 
     def __init__(
         self, layout: Format, directory: Path, spec: ModelSpec, parallelism: Parallelism, *, xser: bool, workers: int
@@ -376,33 +380,28 @@ class ShardedTarget:
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             self.writers[(tp, pp)] = writer_type(path)
-        self.pool = ThreadPoolExecutor(max_workers=max(1, workers))
+        self.pool = ThreadPoolExecutor(max_workers=workers)
 
-    def write_group(self, rules: Sequence[Rule], tensors: dict[str, torch.Tensor]) -> None:
-        per_rank: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {rank: [] for rank in self.writers}
-        for rule in rules:
-            sources = [tensors[name] for name in rule.sources]
-            dtypes = {t.dtype for t in sources}
-            if len(dtypes) > 1:
-                listing = ", ".join(f"{n} is {t.dtype}" for n, t in zip(rule.sources, sources, strict=True))
-                raise UserError(f"{rule.target} needs one dtype but {listing}")
-            for tp, shard in enumerate(rule.split(sources)):
-                per_rank[(tp, rule.stage)].append((rule.target, shard))
-        jobs = [self.pool.submit(self._add_all, rank, items) for rank, items in per_rank.items() if items]
-        for job in jobs:
+    def write_rule(self, rule: Rule, tensors: dict[str, torch.Tensor]) -> None:
+        """Each rank's shard is cut and written by a worker thread (torch copies and file writes release the GIL)."""
+        sources = [tensors[name] for name in rule.sources]
+        if len({t.dtype for t in sources}) > 1:
+            listing = ", ".join(f"{n} is {t.dtype}" for n, t in zip(rule.sources, sources, strict=True))
+            raise UserError(f"{rule.target} needs one dtype but {listing}")
+
+        def write_shard(tp: int) -> None:
+            self.writers[(tp, rule.stage)].add(rule.target, rule.split(sources, tp))
+            release_mappings()  # this shard's source pages are no longer needed in memory
+
+        for job in [self.pool.submit(write_shard, tp) for tp in range(self.parallelism.tp)]:
             job.result()
-
-    def _add_all(self, rank: tuple[int, int], items: list[tuple[str, torch.Tensor]]) -> None:
-        for key, tensor in items:
-            self.writers[rank].add(key, tensor)
 
     def close(self) -> None:
         def wrap(state: dict[str, torch.Tensor]) -> object:
             return {"state_dict": state, **NEMO_CHECKPOINT_META} if self.layout == "nemo" else state
 
-        jobs = [self.pool.submit(writer.close, wrap) for writer in self.writers.values()]
-        for job in jobs:
-            job.result()
+        for writer in self.writers.values():
+            writer.close(wrap)
         self.pool.shutdown()
 
 

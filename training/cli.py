@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace an output directory holding another checkpoint"
     )
     convert.add_argument("--verify", action="store_true", help="read the output back and compare with the input")
-    convert.add_argument("--workers", type=int, default=4, help="ranks written in parallel (default: 4)")
+    convert.add_argument(
+        "--workers", type=int, default=min(8, os.cpu_count() or 1), help="threads cutting and writing shards"
+    )
     convert.add_argument("--max-shard-size", default="5GB", help="hf output shard size, e.g. 2GB, 500MB (default: 5GB)")
     return parser
 
@@ -185,7 +187,7 @@ def _convert(arguments: argparse.Namespace) -> dict[str, Any]:
             force=arguments.force,
             overwrite=arguments.overwrite,
             verify=arguments.verify,
-            workers=arguments.workers,
             max_shard_bytes=parse_size(arguments.max_shard_size),
+            workers=arguments.workers,
         )
     )

@@ -8,7 +8,10 @@ input's SHA-256 checksums, shapes and dtypes.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,9 +23,11 @@ from tqdm import tqdm
 
 from training.checkpoints import HfSource, HfTarget, ShardedSource, ShardedTarget, Source, copy_companions
 from training.errors import UserError
-from training.layouts import Parallelism, Rule, all_rules, default_kv_multiplier
+from training.layouts import Parallelism, Rule, all_rules, check_parallelism, default_kv_multiplier
 from training.outputs import atomic_directory, reusable, write_manifest
+from training.tensor_reader import release_mappings
 
+M_MMAP_THRESHOLD = -3  # mallopt parameter, from glibc's malloc.h
 CheckpointFormat = Literal["hf", "nxd", "nemo"]
 FORMATS: tuple[CheckpointFormat, ...] = ("hf", "nxd", "nemo")
 
@@ -42,18 +47,20 @@ class ConvertOptions:
     force: bool = False
     overwrite: bool = False
     verify: bool = False
-    workers: int = 4
     max_shard_bytes: int = 5 * 1024**3
+    workers: int = min(8, os.cpu_count() or 1)
 
 
 def convert(options: ConvertOptions) -> dict[str, Any]:
     """Convert a checkpoint; returns the manifest written beside the output."""
+    return_freed_memory_to_the_system()
     if options.source_format == options.target_format:
         raise UserError(f"--from and --to are both {options.source_format}; nothing to convert")
     if "hf" not in (options.source_format, options.target_format):
         raise UserError("one side must be hf (convert nxd <-> nemo through hf)")
     source = open_source(options.source_format, options.input, options.config, force=options.force)
     parallelism = target_parallelism(options, source)
+    check_parallelism(source.spec, parallelism, _layout(options, source))
     groups = all_rules(source.spec, parallelism, _layout(options, source))
     fingerprint = {
         "from": options.source_format,
@@ -78,15 +85,18 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
             target = ShardedTarget(
                 options.target_format, output, source.spec, parallelism, xser=options.xser, workers=options.workers
             )
-        for rules in tqdm(
-            groups, desc=f"{options.source_format} -> {options.target_format}", unit=" layers", disable=None
-        ):
-            tensors = source.read(rules)
-            checksums |= {name: tensor_sha256(t) for name, t in tensors.items() if name in hf_names}
-            if isinstance(target, HfTarget):
-                target.write({name: tensors[name] for name in _hf_order(rules) if name in hf_names})
-            else:
-                target.write_group(rules, tensors)
+        progress = f"{options.source_format} -> {options.target_format}"
+        for rules in tqdm(groups, desc=progress, unit=" layers", disable=None):
+            for rule in rules:
+                tensors = source.read([rule])
+                if options.verify:
+                    checksums |= {name: tensor_sha256(t) for name, t in tensors.items() if name in hf_names}
+                if isinstance(target, HfTarget):
+                    target.write({name: tensor for name, tensor in tensors.items() if name in hf_names})
+                else:
+                    target.write_rule(rule, tensors)
+                del tensors
+                release_mappings()
         target.close()
         companions = copy_companions(source.directory, source.config_path, output)
         verified = verify(options.target_format, output, checksums, options.config) if options.verify else None
@@ -104,7 +114,7 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
                 "fuse_qkv": parallelism.fuse_qkv,
             },
             "xser": options.xser,
-            "tensors": len(checksums),
+            "tensors": len(plan),
             "bytes": sum(_tensor_bytes(entry) for entry in plan),
             "companion_files": companions,
             "verified_tensors": verified,
@@ -112,6 +122,19 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
         }
         write_manifest(output, manifest)
     return manifest
+
+
+def return_freed_memory_to_the_system() -> None:
+    """Serve large allocations from mmap so freed shards leave the process (glibc only; else no-op).
+
+    glibc raises its mmap threshold after large frees, after which freed shard buffers stay in the heap
+    and the resident set grows layer after layer although nothing is alive.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
 
 
 def open_source(fmt: CheckpointFormat, directory: Path, config: Path | None, *, force: bool) -> Source:
@@ -158,10 +181,6 @@ def verify(fmt: CheckpointFormat, output: Path, checksums: dict[str, str], confi
 def tensor_sha256(tensor: torch.Tensor) -> str:
     data = tensor.contiguous().view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
-
-
-def _hf_order(rules: Sequence[Rule]) -> list[str]:
-    return list(dict.fromkeys(name for rule in rules for name in rule.sources))
 
 
 def _layout(options: ConvertOptions, source: Source) -> Literal["nxd", "nemo"]:

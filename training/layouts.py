@@ -165,7 +165,8 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 # --- rules --------------------------------------------------------------------------------------------
 
-Split = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+# A split computes one rank's shard at a time, so a converter holds one shard, not all of them.
+Split = Callable[[Sequence[torch.Tensor], int], torch.Tensor]
 Merge = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
 
@@ -183,14 +184,14 @@ class Rule:
 def chunk(dim: int, tp: int) -> tuple[Split, Merge]:
     """Even split along `dim` (column/row-parallel linear, vocab-parallel embedding)."""
     return (
-        lambda sources: list(torch.chunk(sources[0], tp, dim=dim)),
+        lambda sources, rank: torch.chunk(sources[0], tp, dim=dim)[rank],
         lambda shards: [torch.cat(list(shards), dim=dim)],
     )
 
 
 def replicate(tp: int) -> tuple[Split, Merge]:
     """The same tensor on every rank (norms, the MoE router in NxD); merge takes rank 0's copy."""
-    return (lambda sources: [sources[0]] * tp, lambda shards: [shards[0]])
+    return (lambda sources, rank: sources[0], lambda shards: [shards[0]])
 
 
 def query_head_order(spec: ModelSpec, parallelism: Parallelism) -> list[list[int]]:
@@ -223,7 +224,7 @@ def nxd_query(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Merge]:
     order = query_head_order(spec, parallelism)
     inverse = _inverse_order(order, spec.head_dim)
     return (
-        lambda sources: [_head_rows(sources[0], heads, spec.head_dim) for heads in order],
+        lambda sources, rank: _head_rows(sources[0], order[rank], spec.head_dim),
         lambda shards: [torch.cat(list(shards), dim=0)[inverse]],
     )
 
@@ -233,7 +234,7 @@ def nxd_output(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Merge]
     order = query_head_order(spec, parallelism)
     inverse = _inverse_order(order, spec.head_dim)
     return (
-        lambda sources: [_head_rows(sources[0].t(), heads, spec.head_dim).t() for heads in order],
+        lambda sources, rank: _head_rows(sources[0].t(), order[rank], spec.head_dim).t(),
         lambda shards: [torch.cat(list(shards), dim=1)[:, inverse]],
     )
 
@@ -248,12 +249,16 @@ def _inverse_order(order: list[list[int]], head_dim: int) -> torch.Tensor:
 
 def nxd_key_value(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Merge]:
     """Repeat `m` times, cut evenly; merge keeps the first of the `m` identical copies."""
-    tp, m = parallelism.tp, parallelism.kv_multiplier
-    rows = spec.num_kv_heads * spec.head_dim
-    return (
-        lambda sources: list(torch.chunk(sources[0].repeat(m, 1), tp, dim=0)),
-        lambda shards: [torch.cat(list(shards), dim=0)[:rows]],
-    )
+    tp, m, d = parallelism.tp, parallelism.kv_multiplier, spec.head_dim
+    rows = spec.num_kv_heads * d
+    per_rank = spec.num_kv_heads * m // tp
+
+    def split(sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        # Tiled position p of the repeated weight is KV head p % kv.
+        heads = [p % spec.num_kv_heads for p in range(rank * per_rank, (rank + 1) * per_rank)]
+        return _head_rows(sources[0], heads, d)
+
+    return split, lambda shards: [torch.cat(list(shards), dim=0)[:rows]]
 
 
 def fused(parts: Sequence[tuple[Split, Merge]], sizes: Sequence[int], dim: int) -> tuple[Split, Merge]:
@@ -262,9 +267,9 @@ def fused(parts: Sequence[tuple[Split, Merge]], sizes: Sequence[int], dim: int) 
     `sizes` are the per-rank sizes of the parts along `dim`, needed to take a fused shard apart.
     """
 
-    def split(sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        per_part = [part_split([source]) for (part_split, _), source in zip(parts, sources, strict=True)]
-        return [torch.cat([shards[rank] for shards in per_part], dim=dim) for rank in range(len(per_part[0]))]
+    def split(sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        pieces = [part_split([source], rank) for (part_split, _), source in zip(parts, sources, strict=True)]
+        return torch.cat(pieces, dim=dim)
 
     def merge(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         pieces = [torch.split(shard, list(sizes), dim=dim) for shard in shards]
@@ -277,10 +282,11 @@ def nxd_expert_gate_up(spec: ModelSpec, tp: int) -> tuple[Split, Merge]:
     """Sources [w1 of every expert..., w3 of every expert...] ([I, H] each) <-> [E, H, 2I/tp] per rank."""
     experts, part = spec.num_experts, spec.intermediate_size // tp
 
-    def split(sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        gate = torch.stack([w.t() for w in sources[:experts]])
-        up = torch.stack([w.t() for w in sources[experts:]])
-        return [torch.cat([g, u], dim=2) for g, u in zip(gate.chunk(tp, 2), up.chunk(tp, 2), strict=True)]
+    def split(sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        rows = slice(rank * part, (rank + 1) * part)
+        gate = torch.stack([w[rows].t() for w in sources[:experts]])
+        up = torch.stack([w[rows].t() for w in sources[experts:]])
+        return torch.cat([gate, up], dim=2)
 
     def merge(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         halves = [torch.split(shard, part, dim=2) for shard in shards]
@@ -291,11 +297,12 @@ def nxd_expert_gate_up(spec: ModelSpec, tp: int) -> tuple[Split, Merge]:
     return split, merge
 
 
-def nxd_expert_down(tp: int) -> tuple[Split, Merge]:
+def nxd_expert_down(spec: ModelSpec, tp: int) -> tuple[Split, Merge]:
     """Sources [w2 of every expert] ([H, I] each) <-> [E, I/tp, H] per rank."""
+    part = spec.intermediate_size // tp
 
-    def split(sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return list(torch.stack([w.t() for w in sources]).chunk(tp, 1))
+    def split(sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        return torch.stack([w[:, rank * part : (rank + 1) * part].t() for w in sources])
 
     def merge(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [w.t() for w in torch.cat(list(shards), dim=1).unbind(0)]
@@ -306,11 +313,12 @@ def nxd_expert_down(tp: int) -> tuple[Split, Merge]:
 def nemo_key_value(spec: ModelSpec, tp: int) -> tuple[Split, Merge]:
     """cat(k, v) re-ordered per KV head as [k_h0; v_h0; k_h1; v_h1; ...], then cut evenly."""
     kv, d = spec.num_kv_heads, spec.head_dim
+    per_rank = kv // tp
 
-    def split(sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def split(sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
         k, v = sources
-        interleaved = torch.stack([k.reshape(kv, d, -1), v.reshape(kv, d, -1)], dim=1).reshape(2 * kv * d, -1)
-        return list(torch.chunk(interleaved, tp, dim=0))
+        heads = range(rank * per_rank, (rank + 1) * per_rank)
+        return torch.cat([t[h * d : (h + 1) * d] for h in heads for t in (k, v)], dim=0)
 
     def merge(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         pairs = torch.cat(list(shards), dim=0).reshape(kv, 2, d, -1)
@@ -397,7 +405,7 @@ def _nxd_layer(spec: ModelSpec, parallelism: Parallelism, hf: str) -> RuleParts:
     return rules + [
         ((f"{moe}gate.weight",), f"{hf}mlp.router.linear_router.weight", replicate(tp)),
         (gates + ups, f"{stacked}gate_up_proj.weight", nxd_expert_gate_up(spec, tp)),
-        (downs, f"{stacked}down_proj.weight", nxd_expert_down(tp)),
+        (downs, f"{stacked}down_proj.weight", nxd_expert_down(spec, tp)),
     ]
 
 

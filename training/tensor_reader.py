@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import mmap
 import os
 import pickle
 import struct
@@ -78,12 +79,56 @@ class LazyTensor:
         return count * _itemsize(self.dtype)
 
     def load(self) -> torch.Tensor:
+        """The tensor; large ones are views of a private file mapping (see `release_mappings`)."""
+        itemsize = _itemsize(self.dtype)
+        if self.storage_bytes >= MAP_MIN_BYTES and self.offset % itemsize == 0:
+            mapping = _mapping(self.path)
+            if self.offset + self.storage_bytes > len(mapping):
+                raise CheckpointError(f"{self.path}: truncated (a tensor's data ends past the end of the file)")
+            storage = torch.frombuffer(
+                mapping, dtype=self.dtype, count=self.storage_bytes // itemsize, offset=self.offset
+            )
+            return torch.as_strided(storage, self.shape, self.stride, self.storage_offset)
+        buffer = torch.empty(self.storage_bytes, dtype=torch.uint8)
+        view, done = memoryview(buffer.numpy()).cast("B"), 0
         with self.path.open("rb") as handle:
-            data = os.pread(handle.fileno(), self.storage_bytes, self.offset)
-        if len(data) != self.storage_bytes:
-            raise CheckpointError(f"{self.path}: truncated (a tensor's data ends past the end of the file)")
-        storage = torch.frombuffer(bytearray(data), dtype=self.dtype) if data else torch.empty(0, dtype=self.dtype)
-        return torch.as_strided(storage, self.shape, self.stride, self.storage_offset).clone()
+            while done < self.storage_bytes:  # one preadv call returns at most about 2 GiB
+                read = os.preadv(handle.fileno(), [view[done:]], self.offset + done)
+                if read <= 0:
+                    raise CheckpointError(f"{self.path}: truncated (a tensor's data ends past the end of the file)")
+                done += read
+        storage = buffer.view(self.dtype)
+        tensor = torch.as_strided(storage, self.shape, self.stride, self.storage_offset)
+        whole = self.storage_offset == 0 and tensor.is_contiguous() and tensor.numel() == storage.numel()
+        return tensor if whole else tensor.clone()
+
+
+# Tensors at least this large are mapped instead of read: no copy, no zeroed pages to fault in.
+MAP_MIN_BYTES = 1 << 20
+_MAPPINGS: dict[Path, mmap.mmap] = {}
+
+
+def _mapping(path: Path) -> mmap.mmap:
+    mapping = _MAPPINGS.get(path)
+    if mapping is None:
+        with path.open("rb") as handle:
+            # Copy-on-write: the tensors are writable for torch, the file is never modified.
+            mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        _MAPPINGS[path] = mapping
+    return mapping
+
+
+def release_mappings() -> None:
+    """Drop the resident pages of mapped checkpoint files and forget the mappings.
+
+    Called between tensors so the process holds about one shard: the pages stay in the kernel's page
+    cache, not in this process's resident set. A mapping is unmapped when the last tensor using it
+    is freed (torch keeps it referenced); a tensor still alive stays valid, its pages are read again
+    from the file if touched.
+    """
+    for mapping in _MAPPINGS.values():
+        mapping.madvise(mmap.MADV_DONTNEED)
+    _MAPPINGS.clear()
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -65,7 +65,7 @@ def test_split_then_merge_gives_back_every_tensor(layout: str, spec: ModelSpec, 
     seen = set()
     for rules in groups:
         for rule in rules:
-            shards = rule.split([sources[name] for name in rule.sources])
+            shards = [rule.split([sources[name] for name in rule.sources], rank) for rank in range(parallelism.tp)]
             assert len(shards) == parallelism.tp
             assert len({tuple(s.shape) for s in shards}) == 1, f"{rule.target}: ranks differ in shape"
             for name, merged in zip(rule.sources, rule.merge(shards), strict=True):
@@ -84,7 +84,7 @@ def test_nemo_key_value_interleaves_heads() -> None:
     (rule,) = [r for r in all_rules(spec, Parallelism(tp=1), "nemo")[1] if r.target.endswith("key_value.weight")]
     k = torch.arange(2 * 4 * 32, dtype=torch.float32).reshape(8, 32)
     v = -k
-    (fused,) = rule.split([k, v])
+    fused = rule.split([k, v], 0)
     assert torch.equal(fused[:4], k[:4]) and torch.equal(fused[4:8], v[:4]) and torch.equal(fused[8:12], k[4:])
 
 

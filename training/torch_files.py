@@ -1,0 +1,658 @@
+"""Streaming writers and safe readers for `torch.save` files, torch_xla xser checkpoints and safetensors files.
+
+A checkpoint converter holds about one transformer layer in memory while it writes every tensor-parallel
+rank's shard, so all writers here take tensors one at a time, put each tensor's bytes on disk at once and
+keep only its name, dtype and shape. Nothing here renames files: callers write into a temporary directory.
+
+`TorchFileWriter` lays the zip archive out record for record as PyTorch's own writer (miniz, called from
+`caffe2/serialize/inline_container.cc`) does: every record's data starts on a 64-byte boundary (an "FB"
+extra field padded with "Z"), zip64 fields appear under miniz's rules and the data descriptors follow
+miniz's sizes, so `torch.load(..., mmap=True)` and torch's offset arithmetic
+(`torch.utils.serialization.config.load.calculate_storage_offsets`, `map_location="meta"`) both work.
+`data.pkl` is byte-identical to `torch.save`'s for the same object. What differs: the `data/<n>` records
+come first (they are streamed) and `data.pkl` and the small metadata records last; views are stored as
+compact copies (torch.save keeps the whole base storage and the view's strides); and
+`.data/serialization_id` is a deterministic hash, so the same content always gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import json
+import pickle
+import pickletools
+import shutil
+import struct
+import sys
+import zipfile
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, BinaryIO, Final
+
+import torch
+
+__all__ = [
+    "SafetensorsWriter",
+    "TorchFileWriter",
+    "XserTensorReference",
+    "XserWriter",
+    "is_xser",
+    "load_torch_file",
+    "load_xser",
+    "safetensors_save_order",
+]
+
+# Legacy typed-storage class per dtype: `torch.save` names these in each storage's persistent id, and the
+# weights_only unpickler allows exactly these classes.
+_STORAGE_CLASSES: Final[dict[torch.dtype, str]] = {
+    torch.float64: "DoubleStorage",
+    torch.float32: "FloatStorage",
+    torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage",
+    torch.int64: "LongStorage",
+    torch.int32: "IntStorage",
+    torch.int16: "ShortStorage",
+    torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
+}
+
+_ALIGNMENT: Final = 64  # torch's default `config.save.storage_alignment`, needed for mmap
+_FORMAT_VERSION: Final = b"1"  # storages are numbered in the order the pickle first references them
+_ARCHIVE_VERSION: Final = b"3\n"  # what torch 2.x writes as `version` for eager `torch.save` files
+_ZIP64_LIMIT = 0xFFFFFFFF  # miniz switches a field to zip64 at >= this value (a variable so tests can lower it)
+_CHUNK_BYTES: Final = 8 << 20  # largest temporary copy made when a non-contiguous view is written
+
+_LOCAL_HEADER: Final = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL_HEADER: Final = struct.Struct("<IHHHHHHIIIHHHHHII")
+_UTF8_FLAG: Final = 0x0800
+_DESCRIPTOR_FLAG: Final = 0x0008
+
+_XLA_TENSOR_REFERENCE: Final = ("torch_xla.utils.serialization", "TensorReference")
+
+
+class XserTensorReference:
+    """Stand-in for `torch_xla.utils.serialization.TensorReference`, so xser files need no torch_xla.
+
+    Pickled by `XserWriter` under torch_xla's exact class path (same `__dict__`, `{"tid": n}`), and accepted
+    under that path by `load_xser`.
+    """
+
+    def __init__(self, tid: int) -> None:
+        self.tid = tid
+
+    def __repr__(self) -> str:
+        return f"XserTensorReference(tid={self.tid})"
+
+
+# Globals whose pickled name is rewritten: (module, qualname) as pickle writes it -> name torch_xla uses.
+_GLOBAL_ALIASES: Final[dict[tuple[str, str], tuple[str, str]]] = {
+    (XserTensorReference.__module__, XserTensorReference.__qualname__): _XLA_TENSOR_REFERENCE,
+}
+
+
+def _archive_name(path: Path) -> str:
+    """The zip's top-level folder, named like torch's writer: file name up to its last dot."""
+    name = path.name
+    if not name.isascii():
+        return "archive"  # torch writes non-ASCII paths through a Python stream, which it calls "archive"
+    stem = name[: name.rfind(".")] if "." in name else name
+    return stem or "archive"
+
+
+class _StorageRef:
+    """What the pickle refers to instead of a storage: the record key, storage class and element count."""
+
+    __slots__ = ("key", "numel", "storage_class")
+
+    def __init__(self, key: str, storage_class: type, numel: int) -> None:
+        self.key = key
+        self.storage_class = storage_class
+        self.numel = numel
+
+
+def _storage_class(dtype: torch.dtype) -> type:
+    try:
+        storage_class: type = getattr(torch, _STORAGE_CLASSES[dtype])
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype}; supported: {sorted(map(str, _STORAGE_CLASSES))}") from None
+    return storage_class
+
+
+def _contiguous_pieces(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Contiguous parts of `tensor` in row-major order, copying at most `_CHUNK_BYTES` at a time."""
+    if tensor.is_contiguous():  # includes 0-d and empty tensors
+        yield tensor
+        return
+    row_bytes = tensor[0].numel() * tensor.element_size()
+    if row_bytes > _CHUNK_BYTES and tensor.dim() > 1:
+        for row in tensor:
+            yield from _contiguous_pieces(row)
+        return
+    step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+    for start in range(0, tensor.shape[0], step):
+        yield tensor[start : start + step].contiguous()
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """The tensor's elements as raw bytes in row-major order, without materializing a full copy of a view."""
+    for piece in _contiguous_pieces(tensor):
+        if piece.numel():
+            yield piece.reshape(-1).view(torch.uint8).numpy().data
+        del piece  # release this copy before the next one is made
+
+
+def _prepare(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor whose bytes can be read through numpy (no autograd, neg or conj flags)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type == "meta":
+        raise ValueError("a meta tensor has no data to write")
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()
+
+
+class _ZipWriter:
+    """Appends stored (uncompressed) records to a zip the way PyTorch's miniz-based writer lays them out."""
+
+    def __init__(self, file: BinaryIO, prefix: str) -> None:
+        self._file = file
+        self._prefix = prefix
+        self._pos = 0
+        # (name, crc, size, local header offset, flags) per record, for the central directory.
+        self._entries: list[tuple[bytes, int, int, int, int]] = []
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+        self._pos += len(data)
+
+    def write_record(self, name: str, chunks: Iterable[bytes | memoryview], size: int) -> int:
+        """Writes one record (its data 64-byte aligned) and returns its CRC-32."""
+        full_name = f"{self._prefix}/{name}".encode()
+        offset = self._pos
+        zip64 = b""
+        if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
+            # miniz writes the uncompressed size, a compressed size of 0 (not yet known) and the offset.
+            fields = struct.pack("<QQ", size, 0) if size >= _ZIP64_LIMIT else b""
+            fields += struct.pack("<Q", offset) if offset >= _ZIP64_LIMIT else b""
+            zip64 = struct.pack("<HH", 1, len(fields)) + fields
+        data_start = offset + _LOCAL_HEADER.size + len(full_name) + len(zip64) + 4
+        padding = -data_start % _ALIGNMENT
+        extra = zip64 + b"FB" + struct.pack("<H", padding) + b"Z" * padding
+        flags = _UTF8_FLAG | (_DESCRIPTOR_FLAG if size else 0)
+        # Version, method, time, date, CRC and sizes are 0 here, as in torch's files; the CRC and sizes
+        # follow the data in a descriptor and are repeated in the central directory.
+        self._write(_LOCAL_HEADER.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full_name), len(extra)))
+        self._write(full_name + extra)
+        crc = 0
+        written = 0
+        for chunk in chunks:
+            crc = zlib.crc32(chunk, crc)
+            self._write(chunk)
+            written += len(chunk)
+            del chunk  # a view's copied piece must be freed before the next one is made
+        if written != size:
+            raise RuntimeError(f"record {name}: wrote {written} bytes, expected {size}")
+        if size:
+            if zip64:
+                self._write(struct.pack("<IIQQ", 0x08074B50, crc, size, size))
+            else:
+                self._write(struct.pack("<IIII", 0x08074B50, crc, size, size))
+        self._entries.append((full_name, crc, size, offset, flags))
+        return crc
+
+    def finish(self) -> None:
+        """Writes the central directory and the zip64 and classic end records (torch always writes both)."""
+        cd_offset = self._pos
+        for full_name, crc, size, offset, flags in self._entries:
+            fields = struct.pack("<QQ", size, size) if size >= _ZIP64_LIMIT else b""
+            fields += struct.pack("<Q", offset) if offset >= _ZIP64_LIMIT else b""
+            zip64 = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
+            size32 = min(size, 0xFFFFFFFF)
+            name_len, extra_len, offset32 = len(full_name), len(zip64), min(offset, 0xFFFFFFFF)
+            header = _CENTRAL_HEADER.pack(
+                0x02014B50, 0, 0, flags, 0, 0, 0, crc, size32, size32, name_len, extra_len, 0, 0, 0, 0, offset32
+            )
+            self._write(header + full_name + zip64)
+        cd_size = self._pos - cd_offset
+        count = len(self._entries)
+        eocd64_offset = self._pos
+        self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x002D, 0, 0, count, count, cd_size, cd_offset))
+        self._write(struct.pack("<IIQI", 0x07064B50, 0, eocd64_offset, 1))
+        count16, cd_size32, cd_offset32 = min(count, 0xFFFF), min(cd_size, 0xFFFFFFFF), min(cd_offset, 0xFFFFFFFF)
+        self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count16, count16, cd_size32, cd_offset32, 0))
+
+
+class _StatePickler(pickle.Pickler):
+    """Pickles placeholder tensors exactly as `torch.save` pickles real ones (protocol 2)."""
+
+    def __init__(self, file: io.BytesIO, refs: dict[int, _StorageRef]) -> None:
+        super().__init__(file, protocol=2)
+        self._refs = refs
+        self.storage_order: list[str] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is _StorageRef:
+            self.storage_order.append(obj.key)
+            return ("storage", obj.storage_class, obj.key, "cpu", obj.numel)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            ref = self._refs.get(id(obj))
+            if ref is None:
+                raise ValueError("only the tensors in the state passed to root() can be saved; add() the others")
+            args: tuple[Any, ...] = (ref, 0, tuple(obj.shape), obj.stride(), False, collections.OrderedDict())
+            return (torch._utils._rebuild_tensor_v2, args)
+        return NotImplemented
+
+
+def _rename_globals(data: bytes) -> bytes:
+    """Rewrites GLOBAL opcodes of stand-in classes to the names of the classes they stand in for."""
+    if not any(qualname.encode() in data for _, qualname in _GLOBAL_ALIASES):
+        return data
+    out = bytearray()
+    last = 0
+    for opcode, arg, pos in pickletools.genops(data):
+        if opcode.name != "GLOBAL" or pos is None:
+            continue
+        module, _, name = str(arg).partition(" ")
+        alias = _GLOBAL_ALIASES.get((module, name))
+        if alias is None:
+            continue
+        end = pos + 1 + len(module.encode()) + 1 + len(name.encode()) + 1
+        out += data[last:pos] + b"c" + f"{alias[0]}\n{alias[1]}\n".encode()
+        last = end
+    out += data[last:]
+    return bytes(out)
+
+
+class TorchFileWriter:
+    """Streams tensors into a file that `torch.load` (also with `mmap=True, weights_only=True`) reads as
+    if `torch.save(root(state), path)` had written it, holding only one tensor (or an 8 MB piece of a
+    non-contiguous view) in memory at a time.
+
+    Each `add` becomes one storage record with contiguous strides: views are saved as compact copies, a
+    tensor added twice is stored twice, and `requires_grad` is not kept. Use as a context manager so an
+    exception removes the partial file (a failed `add` or `close` removes it too: the archive is unusable).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._file: BinaryIO | None = open(self.path, "wb")  # noqa: SIM115 - closed by close()/abort()
+        self._zip = _ZipWriter(self._file, _archive_name(self.path))
+        self._state: dict[str, torch.Tensor] = {}  # key -> meta tensor standing in for the written one
+        self._refs: dict[int, _StorageRef] = {}  # id(meta tensor) -> its record
+        self._crcs: list[int] = []
+
+    def __enter__(self) -> TorchFileWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._file is not None:
+            self.close()
+
+    def _open_file(self) -> BinaryIO:
+        if self._file is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        return self._file
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        """Writes the tensor's bytes now; only its dtype and shape are kept."""
+        self._open_file()
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {type(key).__name__}")
+        if key in self._state:
+            raise ValueError(f"{self.path}: duplicate key {key!r}")
+        storage_class = _storage_class(tensor.dtype)
+        tensor = _prepare(tensor)
+        storage_key = str(len(self._state))
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            self._crcs.append(self._zip.write_record(f"data/{storage_key}", _tensor_bytes(tensor), nbytes))
+        except BaseException:
+            self.abort()
+            raise
+        placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        self._state[key] = placeholder
+        self._refs[id(placeholder)] = _StorageRef(storage_key, storage_class, tensor.numel())
+
+    def close(self, root: Callable[[dict[str, torch.Tensor]], object] | None = None) -> None:
+        """Writes the pickle of `root(state)` (default: `state`, a dict key -> tensor in `add` order) and the
+        zip's directory. The tensors `root` sees are meta-device placeholders for the written ones."""
+        file = self._open_file()
+        try:
+            state = dict(self._state)
+            obj = state if root is None else root(state)
+            buffer = io.BytesIO()
+            pickler = _StatePickler(buffer, self._refs)
+            pickler.dump(obj)
+            self._write_small("data.pkl", _rename_globals(buffer.getvalue()))
+            # torch's offset arithmetic assumes the pickle meets storages 0, 1, 2, ... in file order; a root
+            # that reorders or drops tensors gets no `.format_version`, so torch reads every header instead.
+            if pickler.storage_order == [str(i) for i in range(len(self._state))]:
+                self._write_small(".format_version", _FORMAT_VERSION)
+            self._write_small(".storage_alignment", str(_ALIGNMENT).encode())
+            self._write_small("byteorder", sys.byteorder.encode())
+            self._write_small("version", _ARCHIVE_VERSION)
+            self._write_small(".data/serialization_id", self._serialization_id())
+            self._zip.finish()
+            file.close()
+        except BaseException:
+            self.abort()
+            raise
+        self._file = None
+        self._state.clear()
+        self._refs.clear()
+
+    def abort(self) -> None:
+        """Closes and deletes the partial file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.path.unlink(missing_ok=True)
+        self._state.clear()
+        self._refs.clear()
+
+    def _write_small(self, name: str, data: bytes) -> None:
+        crc = self._zip.write_record(name, [data], len(data))
+        if data:
+            self._crcs.append(crc)
+
+    def _serialization_id(self) -> bytes:
+        """40 digits like torch's (names hash + CRC hash), but deterministic for the same content."""
+        names = sorted(entry[0] for entry in self._zip._entries)
+        names_hash = hashlib.blake2b(b"\n".join(names), digest_size=8).digest()
+        crc_hash = hashlib.blake2b(struct.pack(f"<{len(self._crcs)}I", *self._crcs), digest_size=8).digest()
+        return f"{int.from_bytes(names_hash, 'little'):020d}{int.from_bytes(crc_hash, 'little'):020d}".encode()
+
+
+# Messages of torch's weights_only unpickler when it refuses a global (not when the bytes are garbage).
+_REJECTION_MARKERS: Final = ("Unsupported global", "add_safe_globals", "unrecognized function", "is blocked")
+
+
+def _is_weights_only_rejection(exc: BaseException) -> bool:
+    message = str(exc)
+    return isinstance(exc, pickle.UnpicklingError) and any(marker in message for marker in _REJECTION_MARKERS)
+
+
+def _mmap_able(path: Path) -> bool:
+    """Whether every record is stored uncompressed: torch's mmap path reads a compressed record's raw bytes
+    as tensor data (wrong values, or an error), so such files and legacy (non-zip) files load without it."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return all(info.compress_type == zipfile.ZIP_STORED for info in archive.infolist())
+    except Exception:  # not a zip, or a damaged one: the plain load below reports what is wrong
+        return False
+
+
+def _load(path: Path, extra_globals: list[Callable[..., Any] | tuple[Callable[..., Any], str]]) -> Any:
+    """`torch.load` with weights_only, memory-mapped when the file allows it."""
+    with torch.serialization.safe_globals(extra_globals):
+        if _mmap_able(path):
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:
+                if _is_weights_only_rejection(exc):
+                    raise
+                # Anything else fails again in the plain load below and is reported there.
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            raise
+        except Exception as exc:
+            if _is_weights_only_rejection(exc):
+                raise
+            raise ValueError(
+                f"{path}: not a readable torch checkpoint, probably truncated or corrupt ({type(exc).__name__}: {exc})"
+            ) from exc
+
+
+def load_torch_file(path: Path) -> Any:
+    """`torch.load(path, weights_only=True, mmap=True)`, or a plain load for files that cannot be memory-mapped
+    (legacy or compressed). A truncated or corrupt file raises `ValueError` naming the path; a file with
+    objects weights_only refuses raises torch's `pickle.UnpicklingError`."""
+    return _load(Path(path), [])
+
+
+def _tensors_dir(path: Path) -> Path:
+    return Path(f"{path}.tensors")
+
+
+def _tensor_file(path: Path, tid: int) -> Path:
+    return _tensors_dir(path) / f"tensor_{tid}.pt"
+
+
+class XserWriter:
+    """Streams a torch_xla xser checkpoint: tensor `tid` goes to `<path>.tensors/tensor_<tid>.pt` at `add`
+    (tids in `add` order), and `close` writes `<path>` with each tensor replaced by a
+    `torch_xla.utils.serialization.TensorReference(tid)`, as `torch_xla.utils.serialization.save` does.
+
+    torch_xla numbers tensors in the traversal order of the saved object; `root` keeps that order as long as
+    it does not reorder the state. An existing `<path>.tensors` folder is replaced, as torch_xla does.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._dir = _tensors_dir(self.path)
+        if self._dir.is_dir():
+            shutil.rmtree(self._dir)
+        self._dir.mkdir()
+        self._refs: dict[str, XserTensorReference] | None = {}
+
+    def __enter__(self) -> XserWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._refs is not None:
+            self.close()
+
+    def _open_refs(self) -> dict[str, XserTensorReference]:
+        if self._refs is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        return self._refs
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        """Writes the tensor's own `torch.save`-format file now."""
+        refs = self._open_refs()
+        if key in refs:
+            raise ValueError(f"{self.path}: duplicate key {key!r}")
+        tid = len(refs)
+        with TorchFileWriter(_tensor_file(self.path, tid)) as writer:
+            writer.add(key, tensor)
+            writer.close(lambda state: state[key])
+        refs[key] = XserTensorReference(tid)
+
+    def close(self, root: Callable[[dict[str, Any]], object] | None = None) -> None:
+        """Writes the main file: `root(state)` (default `state`), where `state` maps each key, in `add` order,
+        to its `XserTensorReference` (pickled as torch_xla's `TensorReference`)."""
+        refs = self._open_refs()
+        state: dict[str, Any] = dict(refs)
+        obj = state if root is None else root(state)
+        with TorchFileWriter(self.path) as writer:
+            writer.close(lambda _: obj)
+        self._refs = None
+
+    def abort(self) -> None:
+        """Deletes the partial checkpoint (main file and tensor folder)."""
+        self._refs = None
+        self.path.unlink(missing_ok=True)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def is_xser(path: Path) -> bool:
+    """Whether `path` is an xser checkpoint's main file (its `<path>.tensors` folder exists)."""
+    return _tensors_dir(Path(path)).is_dir()
+
+
+def load_xser(path: Path) -> Any:
+    """Loads an xser checkpoint without torch_xla: the main file is unpickled with weights_only plus a stand-in
+    for `torch_xla.utils.serialization.TensorReference`, and each reference becomes its tensor file's tensor."""
+    path = Path(path)
+    ref_data = _load(path, [(XserTensorReference, ".".join(_XLA_TENSOR_REFERENCE))])
+    loaded: dict[int, Any] = {}
+
+    def tensor(tid: object) -> Any:
+        if not isinstance(tid, int) or isinstance(tid, bool):
+            raise ValueError(f"{path}: TensorReference with a non-integer tid {tid!r}")
+        if tid not in loaded:
+            tensor_file = _tensor_file(path, tid)
+            if not tensor_file.is_file():
+                raise ValueError(f"{path}: tensor file {tensor_file} is missing")
+            loaded[tid] = load_torch_file(tensor_file)
+        return loaded[tid]
+
+    def resolve(obj: Any) -> Any:
+        if isinstance(obj, XserTensorReference):
+            return tensor(getattr(obj, "tid", None))
+        if isinstance(obj, dict):
+            resolved = {key: resolve(value) for key, value in obj.items()}
+            return resolved if type(obj) is dict else type(obj)(resolved)
+        if isinstance(obj, list):
+            return [resolve(item) for item in obj]
+        if isinstance(obj, tuple):
+            return tuple(resolve(item) for item in obj)
+        return obj
+
+    return resolve(ref_data)
+
+
+# safetensors dtype names, in the order of the Rust `Dtype` enum; `save_file` sorts by descending position.
+_SAFETENSORS_DTYPES: Final[dict[torch.dtype, str]] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+}
+_SAFETENSORS_RANK: Final = {dtype: rank for rank, dtype in enumerate(_SAFETENSORS_DTYPES)}
+
+SafetensorsPlan = Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+def safetensors_save_order(plan: SafetensorsPlan) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The plan in the order `safetensors.torch.save_file` lays tensors out (descending dtype alignment, then
+    name). A `SafetensorsWriter` given this order writes the same bytes as `save_file` whenever the metadata
+    has at most one key: `save_file` writes several keys in a random order (a Rust HashMap), we sort them."""
+    for _, dtype, _ in plan:
+        _safetensors_dtype(dtype)
+    return sorted(plan, key=lambda entry: (-_SAFETENSORS_RANK[entry[1]], entry[0]))
+
+
+def _safetensors_dtype(dtype: torch.dtype) -> str:
+    try:
+        return _SAFETENSORS_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype} for safetensors") from None
+
+
+class SafetensorsWriter:
+    """Streams a safetensors file whose header is written up front from a plan of (name, dtype, shape).
+
+    Tensors are stored in plan order; any order is a valid file, and `safetensors_save_order(plan)` gives
+    the order `save_file` uses. Use as a context manager so an exception removes the partial file.
+    """
+
+    def __init__(self, path: Path, plan: SafetensorsPlan, metadata: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        header: dict[str, Any] = {}
+        if metadata is not None:
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+                raise ValueError("safetensors metadata must map str to str")
+            header["__metadata__"] = {key: metadata[key] for key in sorted(metadata)}
+        offset = 0
+        for name, dtype, shape in plan:
+            shape = tuple(int(dim) for dim in shape)
+            st_dtype = _safetensors_dtype(dtype)
+            if name in header or name == "__metadata__":
+                raise ValueError(f"{self.path}: duplicate or reserved tensor name {name!r}")
+            if any(dim < 0 for dim in shape):
+                raise ValueError(f"{self.path}: negative dimension in shape {shape} of {name!r}")
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            header[name] = {
+                "dtype": st_dtype,
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            entries.append((name, dtype, shape))
+            offset += nbytes
+        encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the reference writer pads it
+        self._plan = entries
+        self._next = 0
+        self._file: BinaryIO | None = open(self.path, "wb")  # noqa: SIM115 - closed by close()/abort()
+        try:
+            self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+        except BaseException:
+            self.abort()
+            raise
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._file is not None:
+            self.close()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Writes the next planned tensor's bytes now; name, dtype and shape must match the plan."""
+        if self._file is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        if self._next >= len(self._plan):
+            raise ValueError(f"{self.path}: {name!r} is not in the plan (all {len(self._plan)} tensors written)")
+        expected_name, dtype, shape = self._plan[self._next]
+        if name != expected_name:
+            raise ValueError(f"{self.path}: expected {expected_name!r} next (plan order), got {name!r}")
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{self.path}: {name!r} is {tensor.dtype} {tuple(tensor.shape)}, the plan says {dtype} {shape}"
+            )
+        file = self._file
+        try:
+            for chunk in _tensor_bytes(_prepare(tensor)):
+                file.write(chunk)
+                del chunk  # a view's copied piece must be freed before the next one is made
+        except BaseException:
+            self.abort()
+            raise
+        self._next += 1
+
+    def close(self) -> None:
+        """Finishes the file; raises `ValueError` (and removes the file) if planned tensors were not written."""
+        if self._file is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        if self._next != len(self._plan):
+            missing = [name for name, _, _ in self._plan[self._next :]]
+            self.abort()
+            raise ValueError(f"{self.path}: {len(missing)} planned tensors were not written: {missing[:5]}")
+        self._file.close()
+        self._file = None
+
+    def abort(self) -> None:
+        """Closes and deletes the partial file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.path.unlink(missing_ok=True)
