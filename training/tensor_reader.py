@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -90,7 +90,7 @@ class LazyTensor:
             )
             return torch.as_strided(storage, self.shape, self.stride, self.storage_offset)
         buffer = torch.empty(self.storage_bytes, dtype=torch.uint8)
-        view, done = memoryview(buffer.numpy()).cast("B"), 0
+        view, done = memoryview(cast(Any, buffer.numpy())), 0
         with self.path.open("rb") as handle:
             while done < self.storage_bytes:  # one preadv call returns at most about 2 GiB
                 read = os.preadv(handle.fileno(), [view[done:]], self.offset + done)

@@ -1,8 +1,9 @@
-"""Streaming writers and safe readers for `torch.save` files, torch_xla xser checkpoints and safetensors files.
+"""Streaming writers for `torch.save` files, torch_xla xser checkpoints and safetensors files.
 
 A checkpoint converter holds about one transformer layer in memory while it writes every tensor-parallel
 rank's shard, so all writers here take tensors one at a time, put each tensor's bytes on disk at once and
 keep only its name, dtype and shape. Nothing here renames files: callers write into a temporary directory.
+Nothing here reads checkpoints either: `training.tensor_reader` does (`open_torch_file`, `open_xser`).
 
 `TorchFileWriter` lays the zip archive out record for record as PyTorch's own writer (miniz, called from
 `caffe2/serialize/inline_container.cc`) does: every record's data starts on a 64-byte boundary (an "FB"
@@ -26,7 +27,6 @@ import pickletools
 import shutil
 import struct
 import sys
-import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -40,9 +40,6 @@ __all__ = [
     "TorchFileWriter",
     "XserTensorReference",
     "XserWriter",
-    "is_xser",
-    "load_torch_file",
-    "load_xser",
     "safetensors_save_order",
 ]
 
@@ -78,8 +75,8 @@ _XLA_TENSOR_REFERENCE: Final = ("torch_xla.utils.serialization", "TensorReferenc
 class XserTensorReference:
     """Stand-in for `torch_xla.utils.serialization.TensorReference`, so xser files need no torch_xla.
 
-    Pickled by `XserWriter` under torch_xla's exact class path (same `__dict__`, `{"tid": n}`), and accepted
-    under that path by `load_xser`.
+    Pickled by `XserWriter` under torch_xla's exact class path (same `__dict__`, `{"tid": n}`); readers see
+    torch_xla's class (`training.tensor_reader.open_xser` reads these files without torch_xla).
     """
 
     def __init__(self, tid: int) -> None:
@@ -375,54 +372,6 @@ class TorchFileWriter:
         return f"{int.from_bytes(names_hash, 'little'):020d}{int.from_bytes(crc_hash, 'little'):020d}".encode()
 
 
-# Messages of torch's weights_only unpickler when it refuses a global (not when the bytes are garbage).
-_REJECTION_MARKERS: Final = ("Unsupported global", "add_safe_globals", "unrecognized function", "is blocked")
-
-
-def _is_weights_only_rejection(exc: BaseException) -> bool:
-    message = str(exc)
-    return isinstance(exc, pickle.UnpicklingError) and any(marker in message for marker in _REJECTION_MARKERS)
-
-
-def _mmap_able(path: Path) -> bool:
-    """Whether every record is stored uncompressed: torch's mmap path reads a compressed record's raw bytes
-    as tensor data (wrong values, or an error), so such files and legacy (non-zip) files load without it."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return all(info.compress_type == zipfile.ZIP_STORED for info in archive.infolist())
-    except Exception:  # not a zip, or a damaged one: the plain load below reports what is wrong
-        return False
-
-
-def _load(path: Path, extra_globals: list[Callable[..., Any] | tuple[Callable[..., Any], str]]) -> Any:
-    """`torch.load` with weights_only, memory-mapped when the file allows it."""
-    with torch.serialization.safe_globals(extra_globals):
-        if _mmap_able(path):
-            try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:
-                if _is_weights_only_rejection(exc):
-                    raise
-                # Anything else fails again in the plain load below and is reported there.
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
-            raise
-        except Exception as exc:
-            if _is_weights_only_rejection(exc):
-                raise
-            raise ValueError(
-                f"{path}: not a readable torch checkpoint, probably truncated or corrupt ({type(exc).__name__}: {exc})"
-            ) from exc
-
-
-def load_torch_file(path: Path) -> Any:
-    """`torch.load(path, weights_only=True, mmap=True)`, or a plain load for files that cannot be memory-mapped
-    (legacy or compressed). A truncated or corrupt file raises `ValueError` naming the path; a file with
-    objects weights_only refuses raises torch's `pickle.UnpicklingError`."""
-    return _load(Path(path), [])
-
-
 def _tensors_dir(path: Path) -> Path:
     return Path(f"{path}.tensors")
 
@@ -490,43 +439,6 @@ class XserWriter:
         self._refs = None
         self.path.unlink(missing_ok=True)
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def is_xser(path: Path) -> bool:
-    """Whether `path` is an xser checkpoint's main file (its `<path>.tensors` folder exists)."""
-    return _tensors_dir(Path(path)).is_dir()
-
-
-def load_xser(path: Path) -> Any:
-    """Loads an xser checkpoint without torch_xla: the main file is unpickled with weights_only plus a stand-in
-    for `torch_xla.utils.serialization.TensorReference`, and each reference becomes its tensor file's tensor."""
-    path = Path(path)
-    ref_data = _load(path, [(XserTensorReference, ".".join(_XLA_TENSOR_REFERENCE))])
-    loaded: dict[int, Any] = {}
-
-    def tensor(tid: object) -> Any:
-        if not isinstance(tid, int) or isinstance(tid, bool):
-            raise ValueError(f"{path}: TensorReference with a non-integer tid {tid!r}")
-        if tid not in loaded:
-            tensor_file = _tensor_file(path, tid)
-            if not tensor_file.is_file():
-                raise ValueError(f"{path}: tensor file {tensor_file} is missing")
-            loaded[tid] = load_torch_file(tensor_file)
-        return loaded[tid]
-
-    def resolve(obj: Any) -> Any:
-        if isinstance(obj, XserTensorReference):
-            return tensor(getattr(obj, "tid", None))
-        if isinstance(obj, dict):
-            resolved = {key: resolve(value) for key, value in obj.items()}
-            return resolved if type(obj) is dict else type(obj)(resolved)
-        if isinstance(obj, list):
-            return [resolve(item) for item in obj]
-        if isinstance(obj, tuple):
-            return tuple(resolve(item) for item in obj)
-        return obj
-
-    return resolve(ref_data)
 
 
 # safetensors dtype names, in the order of the Rust `Dtype` enum; `save_file` sorts by descending position.

@@ -1,12 +1,16 @@
-"""Streaming torch/xser/safetensors writers: files must read back exactly as torch.save / save_file output."""
+"""Streaming torch/xser/safetensors writers: files must read back exactly as torch.save / save_file output.
+
+Independent readers are the oracles: real `torch.load` for torch files, `safetensors` for safetensors files and
+`training.tensor_reader.open_xser` (which needs no torch_xla) for xser checkpoints.
+"""
 
 from __future__ import annotations
 
 import gc
 import json
 import os
-import pickle
 import pickletools
+import re
 import struct
 import subprocess
 import sys
@@ -24,15 +28,15 @@ from safetensors.torch import load_file, save_file
 from torch.utils.serialization import config as serialization_config
 
 from training import torch_files
-from training.torch_files import (
-    SafetensorsWriter,
-    TorchFileWriter,
-    XserWriter,
-    is_xser,
-    load_torch_file,
-    load_xser,
-    safetensors_save_order,
+from training.tensor_reader import (
+    CheckpointError,
+    LazyTensor,
+    Opaque,
+    open_checkpoint_file,
+    open_torch_file,
+    open_xser,
 )
+from training.torch_files import SafetensorsWriter, TorchFileWriter, XserWriter, safetensors_save_order
 
 REPO = Path(__file__).resolve().parents[2]
 # Makes torch compute each storage's offset from the previous one (miniz's layout rules) instead of reading
@@ -110,6 +114,22 @@ def write_torch(path: Path, state: dict[str, torch.Tensor], root: Any = None) ->
     return path
 
 
+def torch_loads(path: Path) -> list[Any]:
+    """The file as real PyTorch reads it, with and without memory-mapping."""
+    return [torch.load(path, weights_only=True), torch.load(path, weights_only=True, mmap=True)]
+
+
+def materialize(value: Any) -> Any:
+    """`value` with every LazyTensor loaded (the tensor_reader's nesting: dicts, lists, tuples)."""
+    if isinstance(value, LazyTensor):
+        return value.load()
+    if isinstance(value, dict):
+        return type(value)((key, materialize(item)) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return type(value)(materialize(item) for item in value)
+    return value
+
+
 def records(path: Path) -> dict[str, bytes]:
     """Zip records without the archive-name prefix (Python's zipfile also checks every CRC here)."""
     with zipfile.ZipFile(path) as archive:
@@ -127,11 +147,7 @@ def test_round_trip_every_dtype_view_scalar_and_empty_matches_torch_save(tmp_pat
     expected = torch.load(reference, weights_only=True)
     path = write_torch(tmp_path / "streamed.pt", state)
 
-    for loaded in (
-        torch.load(path, mmap=True, weights_only=True),
-        torch.load(path, weights_only=True),
-        load_torch_file(path),
-    ):
+    for loaded in torch_loads(path):
         assert list(loaded) == list(state)
         for key in state:
             assert_same(loaded[key], expected[key])
@@ -190,8 +206,8 @@ def test_nemo_root_wrapper(tmp_path: Path) -> None:
         return {"state_dict": state_dict, "pytorch-lightning_version": "1.9.5", "epoch": 0, "global_step": 0}
 
     path = write_torch(tmp_path / "model_weights.ckpt", state, root=nemo)
-    loaded = torch.load(path, mmap=True, weights_only=True)
-    assert_same_tree(loaded, nemo(state))
+    for loaded in torch_loads(path):
+        assert_same_tree(loaded, nemo(state))
     reference = tmp_path / "reference.ckpt"
     torch.save(nemo(state), reference)
     assert records(path)["data.pkl"] == records(reference)["data.pkl"]
@@ -208,7 +224,8 @@ def test_two_writers_open_at_once_with_interleaved_adds(tmp_path: Path) -> None:
     for writer in writers:
         writer.close()
     for rank in (0, 1):
-        assert_same_tree(load_torch_file(tmp_path / f"rank_{rank}.pt"), ranks[rank])
+        for loaded in torch_loads(tmp_path / f"rank_{rank}.pt"):
+            assert_same_tree(loaded, ranks[rank])
 
 
 def test_root_that_reorders_or_drops_tensors_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -349,32 +366,35 @@ def test_invalid_adds_raise(tmp_path: Path) -> None:
             writer.add("c", torch.ones(2, dtype=torch.complex64))
         with pytest.raises(ValueError, match="meta"):
             writer.add("m", torch.ones(2, device="meta"))
-    assert_same_tree(load_torch_file(tmp_path / "x.pt"), {"a": torch.ones(2)})
+    for loaded in torch_loads(tmp_path / "x.pt"):
+        assert_same_tree(loaded, {"a": torch.ones(2)})
     with pytest.raises(ValueError, match="closed"):
         writer.add("b", torch.ones(2))
 
 
-# ---- load_torch_file -------------------------------------------------------------------------------------
+# ---- damaged files (read with training.tensor_reader) -----------------------------------------------------
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.97])
-def test_truncated_file_raises_value_error_naming_the_path(tmp_path: Path, cut: float) -> None:
+def test_truncated_file_raises_checkpoint_error_naming_the_path(tmp_path: Path, cut: float) -> None:
     path = write_torch(tmp_path / "model.pt", {"a": sample(torch.float32, shape=(64, 64))})
+    assert_same(materialize(open_torch_file(path))["a"], sample(torch.float32, shape=(64, 64)))  # intact: reads
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * cut)])
-    with pytest.raises(ValueError, match=str(path)):
-        load_torch_file(path)
+    with pytest.raises(CheckpointError, match=re.escape(str(path))):
+        open_torch_file(path)
 
 
-def test_garbage_and_empty_files_raise_value_error(tmp_path: Path) -> None:
-    for name, data in (("empty.pt", b""), ("garbage.pt", b"not a checkpoint" * 10)):
+def test_garbage_empty_and_missing_files_raise_checkpoint_error(tmp_path: Path) -> None:
+    for name, data in (("empty.pt", b""), ("garbage.pt", b"not a checkpoint" * 10), ("missing.pt", None)):
         path = tmp_path / name
-        path.write_bytes(data)
-        with pytest.raises(ValueError, match=str(path)):
-            load_torch_file(path)
+        if data is not None:
+            path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=re.escape(str(path))):
+            open_torch_file(path)
 
 
-def test_falls_back_to_plain_load_for_legacy_and_compressed_files(tmp_path: Path) -> None:
+def test_legacy_and_compressed_files_raise_checkpoint_error_instead_of_wrong_data(tmp_path: Path) -> None:
     state = {"a": sample(torch.float32), "b": sample(torch.int64, seed=1)}
     legacy = tmp_path / "legacy.pt"
     torch.save(state, legacy, _use_new_zipfile_serialization=False)
@@ -383,21 +403,11 @@ def test_falls_back_to_plain_load_for_legacy_and_compressed_files(tmp_path: Path
     with zipfile.ZipFile(source_path) as source, zipfile.ZipFile(compressed, "w", zipfile.ZIP_DEFLATED) as target:
         for info in source.infolist():
             target.writestr(info.filename, source.read(info))
-    try:  # why compressed files must not be memory-mapped: torch reads the deflated bytes as data
-        wrong = torch.load(compressed, mmap=True, weights_only=True)
-    except RuntimeError:
-        pass
-    else:
-        assert not torch.equal(bits(wrong["a"]), bits(state["a"]))
-    for path in (legacy, compressed):
-        assert_same_tree(load_torch_file(path), state)
-
-
-def test_weights_only_rejection_is_not_reported_as_corruption(tmp_path: Path) -> None:
-    path = tmp_path / "unsafe.pt"
-    torch.save({"a": torch.ones(1), "f": Path("x")}, path)
-    with pytest.raises(pickle.UnpicklingError, match="Weights only"):
-        load_torch_file(path)
+    assert_same_tree(torch.load(compressed, weights_only=True), state)  # a valid file, just not a streamable one
+    with pytest.raises(CheckpointError, match=re.escape(f"{legacy}: not a readable torch.save archive")):
+        open_torch_file(legacy)
+    with pytest.raises(CheckpointError, match=re.escape(f"{compressed}: compressed storage records")):
+        open_torch_file(compressed)
 
 
 # ---- xser ------------------------------------------------------------------------------------------------
@@ -478,14 +488,14 @@ def test_xser_round_trip_with_nemo_root(tmp_path: Path) -> None:
         assert not path.exists()
         writer.close(nemo)
 
-    assert is_xser(path) and not is_xser(tmp_path / "missing")
     assert sorted(p.name for p in Path(f"{path}.tensors").iterdir()) == ["tensor_0.pt", "tensor_1.pt", "tensor_2.pt"]
     pickled = records(path)["data.pkl"]
     globals_ = {arg for op, arg, _ in pickletools.genops(pickled) if op.name == "GLOBAL"}
     assert globals_ == {"torch_xla.utils.serialization TensorReference"}
     assert_same(torch.load(Path(f"{path}.tensors") / "tensor_1.pt", weights_only=True), state["proj"])
 
-    assert_same_tree(load_xser(path), nemo(state))
+    assert_same_tree(materialize(open_xser(path)), nemo(state))
+    assert_same_tree(materialize(open_checkpoint_file(path)), nemo(state))  # the `.tensors` folder marks xser
     assert "torch_xla" not in sys.modules
 
 
@@ -505,45 +515,58 @@ def test_xser_writer_output_loads_with_torch_xla_semantics(tmp_path: Path) -> No
     assert "torch_xla" not in sys.modules
 
 
-def test_load_xser_reads_a_checkpoint_laid_out_by_torch_xla(tmp_path: Path) -> None:
+def test_open_xser_reads_a_checkpoint_laid_out_by_torch_xla(tmp_path: Path) -> None:
     state = xser_state()
     data = {"model": OrderedDict(state), "optimizer": [state["step"], {"lr": 0.1}], "epoch": 3}
     path = tmp_path / "tp_rank_00_pp_rank_00"
     with pytest.MonkeyPatch.context() as monkeypatch:
         torch_xla_save(data, path, fake_torch_xla(monkeypatch))
-    assert "torch_xla" not in sys.modules  # load_xser must not need it
-    loaded = load_xser(path)
-    assert_same_tree(loaded, data)
-    assert isinstance(loaded["model"], OrderedDict)
+    assert sorted(p.name for p in Path(f"{path}.tensors").iterdir()) == [f"tensor_{i}.pt" for i in range(4)]
+    assert "torch_xla" not in sys.modules  # open_xser must not need it
+    loaded = materialize(open_xser(path))
+    # open_xser rebuilds mappings as plain dicts, so the OrderedDict comes back as a dict with the same order.
+    assert_same_tree(loaded, {**data, "model": dict(state)})
+    assert "torch_xla" not in sys.modules
 
 
 class Unsafe:
     ran = False
 
+    def __init__(self) -> None:
+        self.payload = 1  # non-empty state, so unpickling the real class calls __setstate__
+
     def __setstate__(self, state: Any) -> None:
         Unsafe.ran = True
 
 
-def test_load_xser_allows_only_the_tensor_reference_stand_in(tmp_path: Path) -> None:
+def test_xser_root_keeps_other_globals_and_open_xser_runs_no_code_from_them(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     with XserWriter(path) as writer:
         writer.add("a", torch.ones(2))
         writer.close(lambda refs: {"a": refs["a"], "evil": Unsafe()})
     globals_ = {arg for op, arg, _ in pickletools.genops(records(path)["data.pkl"]) if op.name == "GLOBAL"}
     assert globals_ == {"torch_xla.utils.serialization TensorReference", f"{__name__} Unsafe"}
-    with pytest.raises(pickle.UnpicklingError, match="Weights only"):
-        load_xser(path)
+    loaded = open_xser(path)
     assert not Unsafe.ran
+    assert type(loaded["evil"]) is Opaque
+    assert_same(loaded["a"].load(), torch.ones(2))
+    try:  # control: a trusting unpickler does run Unsafe's code
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            fake_torch_xla(monkeypatch)
+            assert type(torch.load(path, weights_only=False)["evil"]) is Unsafe
+        assert Unsafe.ran
+    finally:
+        Unsafe.ran = False
 
 
-def test_load_xser_missing_tensor_file_raises(tmp_path: Path) -> None:
+def test_open_xser_missing_tensor_file_raises_checkpoint_error(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     with XserWriter(path) as writer:
         writer.add("a", torch.ones(2))
         writer.add("b", torch.zeros(3))
     (Path(f"{path}.tensors") / "tensor_1.pt").unlink()
-    with pytest.raises(ValueError, match=r"tensor_1\.pt"):
-        load_xser(path)
+    with pytest.raises(CheckpointError, match=r"tensor_1\.pt: missing"):
+        open_xser(path)
 
 
 def test_xser_exception_removes_partial_checkpoint(tmp_path: Path) -> None:
