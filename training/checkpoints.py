@@ -13,12 +13,22 @@ import shutil
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from training.errors import UserError
-from training.layouts import Format, ModelSpec, Parallelism, Rule, all_rules, check_parallelism, hf_shapes
+from training.layouts import (
+    Concatenate,
+    Format,
+    ModelSpec,
+    Parallelism,
+    Rule,
+    Unfuse,
+    all_rules,
+    check_parallelism,
+    hf_shapes,
+)
 from training.tensor_reader import (
     CheckpointError,
     LazyTensor,
@@ -341,13 +351,43 @@ class ShardedSource:
         result: dict[str, torch.Tensor] = {}
         for rule in rules:
             try:
-                shards = [shard.load() for shard in self._shards(rule)]
+                merged = streamed_merge(rule.merge, self._shards(rule)) or rule.merge(
+                    [s.load() for s in self._shards(rule)]
+                )
             except CheckpointError as error:
                 raise UserError(str(error)) from None
-            result |= dict(zip(rule.sources, rule.merge(shards), strict=True))
-            del shards
+            result |= dict(zip(rule.sources, merged, strict=True))
             release_mappings()  # merged tensors are copies; the shards' pages can go
         return result
+
+
+def streamed_merge(merge: Callable[..., list[torch.Tensor]], shards: Sequence[LazyTensor]) -> list[torch.Tensor] | None:
+    """Concatenating merges done shard by shard into preallocated outputs, dropping each shard's pages.
+
+    Holds the result and one shard instead of the result and all shards; None for other merges.
+    """
+    parts: tuple[Concatenate, ...]
+    if isinstance(merge, Concatenate):
+        parts, sizes, fused_dim = (merge,), None, 0
+    elif isinstance(merge, Unfuse) and all(isinstance(part, Concatenate) for part in merge.parts):
+        parts, sizes, fused_dim = tuple(cast(Concatenate, p) for p in merge.parts), list(merge.sizes), merge.dim
+    else:
+        return None
+    outputs: list[torch.Tensor] = []
+    for rank, lazy in enumerate(shards):
+        shard = lazy.load()
+        pieces = torch.split(shard, sizes, dim=fused_dim) if sizes else (shard,)
+        if not outputs:
+            for part, piece in zip(parts, pieces, strict=True):
+                shape = list(piece.shape)
+                shape[part.dim] *= len(shards)
+                outputs.append(torch.empty(shape, dtype=piece.dtype))
+        for part, piece, output in zip(parts, pieces, outputs, strict=True):
+            size = piece.shape[part.dim]
+            output.narrow(part.dim, rank * size, size).copy_(piece)
+        del shard, pieces
+        release_mappings()
+    return outputs
 
 
 def _nemo_checkpoint_in(folder: Path) -> Path:

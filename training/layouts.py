@@ -181,12 +181,35 @@ class Rule:
     merge: Merge = field(compare=False)
 
 
+@dataclass(frozen=True)
+class Concatenate:
+    """Merge of an even split: the rank shards concatenated along `dim`.
+
+    A class rather than a lambda so a reader can recognise it and fill the result shard by shard.
+    """
+
+    dim: int
+
+    def __call__(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.cat(list(shards), dim=self.dim)]
+
+
+@dataclass(frozen=True)
+class Unfuse:
+    """Merge of a fused rule: cut each rank's shard into its parts (`sizes` along `dim`), merge each part."""
+
+    parts: tuple[Merge, ...]
+    sizes: tuple[int, ...]
+    dim: int
+
+    def __call__(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        pieces = [torch.split(shard, list(self.sizes), dim=self.dim) for shard in shards]
+        return [merge([p[index] for p in pieces])[0] for index, merge in enumerate(self.parts)]
+
+
 def chunk(dim: int, tp: int) -> tuple[Split, Merge]:
     """Even split along `dim` (column/row-parallel linear, vocab-parallel embedding)."""
-    return (
-        lambda sources, rank: torch.chunk(sources[0], tp, dim=dim)[rank],
-        lambda shards: [torch.cat(list(shards), dim=dim)],
-    )
+    return (lambda sources, rank: torch.chunk(sources[0], tp, dim=dim)[rank], Concatenate(dim))
 
 
 def replicate(tp: int) -> tuple[Split, Merge]:
@@ -271,11 +294,7 @@ def fused(parts: Sequence[tuple[Split, Merge]], sizes: Sequence[int], dim: int) 
         pieces = [part_split([source], rank) for (part_split, _), source in zip(parts, sources, strict=True)]
         return torch.cat(pieces, dim=dim)
 
-    def merge(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        pieces = [torch.split(shard, list(sizes), dim=dim) for shard in shards]
-        return [part_merge([p[index] for p in pieces])[0] for index, (_, part_merge) in enumerate(parts)]
-
-    return split, merge
+    return split, Unfuse(tuple(merge for _, merge in parts), tuple(sizes), dim)
 
 
 def nxd_expert_gate_up(spec: ModelSpec, tp: int) -> tuple[Split, Merge]:
