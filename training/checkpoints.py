@@ -31,6 +31,7 @@ from training.layouts import (
 )
 from training.tensor_reader import (
     CheckpointError,
+    FileRange,
     LazyTensor,
     lazy_tensors,
     open_checkpoint_file,
@@ -174,14 +175,18 @@ class HfTarget:
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
-            index = self.location[name]
-            if self._current is None or self._current[0] != index:
-                self._close_current()
-                writer = SafetensorsWriter(
-                    self.directory / self.files[index], self.shards[index], metadata={"format": "pt"}
-                )
-                self._current = (index, writer)
-            self._current[1].add(name, tensor)
+            self._writer_for(name).add(name, tensor)
+
+    def write_ranges(self, name: str, ranges: Sequence[FileRange]) -> None:
+        self._writer_for(name).add_ranges(name, ranges)
+
+    def _writer_for(self, name: str) -> SafetensorsWriter:
+        index = self.location[name]
+        if self._current is None or self._current[0] != index:
+            self._close_current()
+            path = self.directory / self.files[index]
+            self._current = (index, SafetensorsWriter(path, self.shards[index], metadata={"format": "pt"}))
+        return self._current[1]
 
     def _close_current(self) -> None:
         if self._current is not None:
@@ -346,6 +351,33 @@ class ShardedSource:
         return [
             (name, dtypes[name], shapes[name]) for name in hf_names_in_order(self.spec, self.groups) if name in shapes
         ]
+
+    def read_ranges(self, rule: Rule) -> dict[str, list[FileRange]] | None:
+        """For merges that concatenate along dim 0: each Hugging Face tensor as byte ranges of the rank files.
+
+        Such a tensor is the rank pieces' bytes one after the other, so it can be copied file to file
+        by the kernel, as `cp` does, without passing through this process. None for other merges.
+        """
+        merge, shards = rule.merge, self._shards(rule)
+        if isinstance(merge, Concatenate) and merge.dim == 0:
+            parts: list[tuple[int, int]] = [(0, shards[0].shape[0] if shards[0].shape else 0)]
+        elif (
+            isinstance(merge, Unfuse)
+            and merge.dim == 0
+            and all(isinstance(part, Concatenate) and part.dim == 0 for part in merge.parts)
+        ):
+            starts = [sum(merge.sizes[:k]) for k in range(len(merge.sizes))]
+            parts = list(zip(starts, merge.sizes, strict=True))
+        else:
+            return None
+        ranges: dict[str, list[FileRange]] = {name: [] for name in rule.sources}
+        for shard in shards:
+            for name, (start, count) in zip(rule.sources, parts, strict=True):
+                piece = shard.row_range(start, count)
+                if piece is None:
+                    return None
+                ranges[name].append(piece)
+        return ranges
 
     def read(self, rules: Sequence[Rule]) -> dict[str, torch.Tensor]:
         result: dict[str, torch.Tensor] = {}

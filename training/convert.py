@@ -88,14 +88,14 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
         progress = f"{options.source_format} -> {options.target_format}"
         for rules in tqdm(groups, desc=progress, unit=" layers", disable=None):
             for rule in rules:
-                tensors = source.read([rule])
-                if options.verify:
-                    checksums |= {name: tensor_sha256(t) for name, t in tensors.items() if name in hf_names}
                 if isinstance(target, HfTarget):
-                    target.write({name: tensor for name, tensor in tensors.items() if name in hf_names})
+                    write_hf_rule(rule, source, target, hf_names, checksums if options.verify else None)
                 else:
+                    tensors = source.read([rule])
+                    if options.verify:
+                        checksums |= {name: tensor_sha256(t) for name, t in tensors.items() if name in hf_names}
                     target.write_rule(rule, tensors)
-                del tensors
+                    del tensors
                 release_mappings()
         target.close()
         companions = copy_companions(source.directory, source.config_path, output)
@@ -155,6 +155,22 @@ def target_parallelism(options: ConvertOptions, source: Source) -> Parallelism:
     if options.target_format == "nxd":
         multiplier = options.kv_multiplier or default_kv_multiplier(source.spec, options.tp)
     return Parallelism(tp=options.tp, pp=options.pp, kv_multiplier=multiplier, fuse_qkv=options.fuse_qkv)
+
+
+def write_hf_rule(
+    rule: Rule, source: Source, target: HfTarget, hf_names: set[str], checksums: dict[str, str] | None
+) -> None:
+    """A rule's Hugging Face tensors; copied file to file by the kernel when they are plain concatenations."""
+    ranges = source.read_ranges(rule) if isinstance(source, ShardedSource) and checksums is None else None
+    if ranges is not None:
+        for name in rule.sources:
+            if name in hf_names:
+                target.write_ranges(name, ranges[name])
+        return
+    tensors = {name: tensor for name, tensor in source.read([rule]).items() if name in hf_names}
+    if checksums is not None:
+        checksums |= {name: tensor_sha256(t) for name, t in tensors.items()}
+    target.write(tensors)
 
 
 def verify(fmt: CheckpointFormat, output: Path, checksums: dict[str, str], config: Path | None) -> int:

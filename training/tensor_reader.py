@@ -60,6 +60,16 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
+class FileRange:
+    """Bytes of a file: a piece of a tensor that can be copied as is."""
+
+    path: Path
+    offset: int
+    length: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class LazyTensor:
     """Where a tensor's bytes are; `load()` reads exactly those bytes."""
 
@@ -77,6 +87,14 @@ class LazyTensor:
         for size in self.shape:
             count *= size
         return count * _itemsize(self.dtype)
+
+    def row_range(self, start: int, count: int) -> FileRange | None:
+        """Where rows [start, start + count) lie in the file, if the tensor is stored plainly (row-major)."""
+        if self.stride != _contiguous_stride(self.shape) or not self.shape:
+            return None
+        row_bytes = self.nbytes // self.shape[0] if self.shape[0] else 0
+        begin = self.offset + self.storage_offset * _itemsize(self.dtype) + start * row_bytes
+        return FileRange(self.path, begin, count * row_bytes, self.dtype)
 
     def load(self) -> torch.Tensor:
         """The tensor; large ones are views of a private file mapping (see `release_mappings`)."""
