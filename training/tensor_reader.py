@@ -16,6 +16,7 @@ import mmap
 import os
 import pickle
 import struct
+import weakref
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -123,7 +124,8 @@ class LazyTensor:
 
 # Tensors at least this large are mapped instead of read: no copy, no zeroed pages to fault in.
 MAP_MIN_BYTES = 1 << 20
-_MAPPINGS: dict[Path, mmap.mmap] = {}
+# Weak: a mapping lives as long as a tensor uses it (torch holds a reference), and is unmapped after.
+_MAPPINGS: weakref.WeakValueDictionary[Path, mmap.mmap] = weakref.WeakValueDictionary()
 
 
 def _mapping(path: Path) -> mmap.mmap:
@@ -137,16 +139,13 @@ def _mapping(path: Path) -> mmap.mmap:
 
 
 def release_mappings() -> None:
-    """Drop the resident pages of mapped checkpoint files and forget the mappings.
+    """Drop the resident pages of every mapped checkpoint file still in use.
 
-    Called between tensors so the process holds about one shard: the pages stay in the kernel's page
-    cache, not in this process's resident set. A mapping is unmapped when the last tensor using it
-    is freed (torch keeps it referenced); a tensor still alive stays valid, its pages are read again
-    from the file if touched.
+    Called between shards so the process holds about one shard: the pages stay in the kernel's page
+    cache, not in this process's resident set, and are read again from it if touched.
     """
-    for mapping in _MAPPINGS.values():
+    for mapping in list(_MAPPINGS.values()):
         mapping.madvise(mmap.MADV_DONTNEED)
-    _MAPPINGS.clear()
 
 
 def _itemsize(dtype: torch.dtype) -> int:
