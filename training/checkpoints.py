@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -19,8 +19,10 @@ import torch
 
 from training.errors import UserError
 from training.layouts import (
+    Chunk,
     Concatenate,
     Format,
+    Fuse,
     ModelSpec,
     Parallelism,
     Rule,
@@ -148,6 +150,9 @@ class HfSource:
 
     def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return [(name, self.tensors[name].dtype, self.tensors[name].shape) for name in hf_shapes(self.spec)]
+
+    def lazy(self, rule: Rule) -> dict[str, LazyTensor]:
+        return {name: self.tensors[name] for name in rule.sources}
 
     def read(self, rules: Sequence[Rule]) -> dict[str, torch.Tensor]:
         names = dict.fromkeys(source for rule in rules for source in rule.sources)
@@ -393,6 +398,46 @@ class ShardedSource:
         return result
 
 
+ROW_BLOCK_BYTES = 8 << 20
+
+
+def row_blocks(tensor: torch.Tensor, max_bytes: int, after_each: Callable[[], None]) -> Iterator[torch.Tensor]:
+    """A tensor in row blocks of about `max_bytes`, calling `after_each` once a block has been used.
+
+    A shard cut from a mapped file along dim 1 touches the source's pages row by row; writing it in
+    blocks and dropping the pages after each keeps only one block's pages resident.
+    """
+    if tensor.dim() == 0 or tensor.shape[0] == 0:
+        yield tensor.reshape(-1)
+        after_each()
+        return
+    # A view's rows are spread over stride(0) elements of its source: that span is what gets touched.
+    row_bytes = max(1, tensor[0].numel(), abs(tensor.stride(0))) * tensor.element_size()
+    step = max(1, max_bytes // row_bytes)
+    for start in range(0, tensor.shape[0], step):
+        yield tensor[start : start + step]
+        after_each()
+
+
+def split_ranges(split: Any, sources: Sequence[LazyTensor], rank: int) -> tuple[list[FileRange], int] | None:
+    """(byte ranges, rows) of one rank's shard when it is rows of the sources stored plainly, else None."""
+    if isinstance(split, Chunk) and split.dim == 0 and len(sources) == 1 and sources[0].shape:
+        rows = sources[0].shape[0] // split.tp
+        piece = sources[0].row_range(rank * rows, rows)
+        return ([piece], rows) if piece is not None else None
+    if isinstance(split, Fuse) and split.dim == 0:
+        ranges: list[FileRange] = []
+        total = 0
+        for part, source in zip(split.parts, sources, strict=True):
+            found = split_ranges(part, [source], rank)
+            if found is None:
+                return None
+            ranges += found[0]
+            total += found[1]
+        return ranges, total
+    return None
+
+
 def streamed_merge(merge: Callable[..., list[torch.Tensor]], shards: Sequence[LazyTensor]) -> list[torch.Tensor] | None:
     """Concatenating merges done shard by shard into preallocated outputs, dropping each shard's pages.
 
@@ -462,11 +507,30 @@ class ShardedTarget:
             raise UserError(f"{rule.target} needs one dtype but {listing}")
 
         def write_shard(tp: int) -> None:
-            self.writers[(tp, rule.stage)].add(rule.target, rule.split(sources, tp))
-            release_mappings()  # this shard's source pages are no longer needed in memory
+            shard = rule.split(sources, tp)
+            pieces = row_blocks(shard, ROW_BLOCK_BYTES, after_each=release_mappings)
+            self.writers[(tp, rule.stage)].add_pieces(rule.target, pieces, shard.dtype, tuple(shard.shape))
 
         for job in [self.pool.submit(write_shard, tp) for tp in range(self.parallelism.tp)]:
             job.result()
+
+    def write_rule_ranges(self, rule: Rule, sources: dict[str, LazyTensor]) -> bool:
+        """Copy each rank's shard file to file when it is rows of the sources; False if it is not."""
+        per_rank = [
+            split_ranges(rule.split, [sources[name] for name in rule.sources], tp) for tp in range(self.parallelism.tp)
+        ]
+        if any(ranges is None for ranges in per_rank) or len({sources[name].dtype for name in rule.sources}) > 1:
+            return False
+        dtype = sources[rule.sources[0]].dtype
+        row_shape = sources[rule.sources[0]].shape[1:]
+
+        def write_shard(tp: int) -> None:
+            shard_ranges, rows = cast(tuple[list[FileRange], int], per_rank[tp])
+            self.writers[(tp, rule.stage)].add_ranges(rule.target, shard_ranges, dtype, (rows, *row_shape))
+
+        for job in [self.pool.submit(write_shard, tp) for tp in range(self.parallelism.tp)]:
+            job.result()
+        return True
 
     def close(self) -> None:
         def wrap(state: dict[str, torch.Tensor]) -> object:

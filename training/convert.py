@@ -90,7 +90,11 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
             for rule in rules:
                 if isinstance(target, HfTarget):
                     write_hf_rule(rule, source, target, hf_names, checksums if options.verify else None)
-                else:
+                elif not (
+                    isinstance(source, HfSource)
+                    and not options.verify
+                    and target.write_rule_ranges(rule, source.lazy(rule))
+                ):
                     tensors = source.read([rule])
                     if options.verify:
                         checksums |= {name: tensor_sha256(t) for name, t in tensors.items() if name in hf_names}

@@ -207,9 +207,32 @@ class Unfuse:
         return [merge([p[index] for p in pieces])[0] for index, merge in enumerate(self.parts)]
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Even split of one source along `dim`; a class so writers can copy dim-0 chunks file to file."""
+
+    dim: int
+    tp: int
+
+    def __call__(self, sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        return torch.chunk(sources[0], self.tp, dim=self.dim)[rank]
+
+
+@dataclass(frozen=True)
+class Fuse:
+    """Each source split by its own rule, the rank's pieces concatenated along `dim`."""
+
+    parts: tuple[Split, ...]
+    dim: int
+
+    def __call__(self, sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        pieces = [split([source], rank) for split, source in zip(self.parts, sources, strict=True)]
+        return torch.cat(pieces, dim=self.dim)
+
+
 def chunk(dim: int, tp: int) -> tuple[Split, Merge]:
     """Even split along `dim` (column/row-parallel linear, vocab-parallel embedding)."""
-    return (lambda sources, rank: torch.chunk(sources[0], tp, dim=dim)[rank], Concatenate(dim))
+    return Chunk(dim, tp), Concatenate(dim)
 
 
 def replicate(tp: int) -> tuple[Split, Merge]:
@@ -289,12 +312,7 @@ def fused(parts: Sequence[tuple[Split, Merge]], sizes: Sequence[int], dim: int) 
 
     `sizes` are the per-rank sizes of the parts along `dim`, needed to take a fused shard apart.
     """
-
-    def split(sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
-        pieces = [part_split([source], rank) for (part_split, _), source in zip(parts, sources, strict=True)]
-        return torch.cat(pieces, dim=dim)
-
-    return split, Unfuse(tuple(merge for _, merge in parts), tuple(sizes), dim)
+    return Fuse(tuple(split for split, _ in parts), dim), Unfuse(tuple(merge for _, merge in parts), tuple(sizes), dim)
 
 
 def nxd_expert_gate_up(spec: ModelSpec, tp: int) -> tuple[Split, Merge]:

@@ -325,6 +325,48 @@ class TorchFileWriter:
         self._state[key] = placeholder
         self._refs[id(placeholder)] = _StorageRef(storage_key, storage_class, tensor.numel())
 
+    def add_pieces(self, key: str, pieces: Iterable[torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Like `add`, for a tensor given as consecutive row-major pieces, each written as it comes."""
+        self._open_file()
+        if key in self._state:
+            raise ValueError(f"{self.path}: duplicate key {key!r}")
+        numel = torch.Size(shape).numel()
+        storage_key = str(len(self._state))
+
+        def chunks() -> Iterator[memoryview]:
+            for piece in pieces:
+                if piece.dtype != dtype:
+                    raise ValueError(f"{self.path}: a piece of {key!r} is {piece.dtype}, expected {dtype}")
+                yield from _tensor_bytes(_prepare(piece))
+
+        try:
+            self._crcs.append(self._zip.write_record(f"data/{storage_key}", chunks(), numel * dtype.itemsize))
+        except BaseException:
+            self.abort()
+            raise
+        placeholder = torch.empty(shape, dtype=dtype, device="meta")
+        self._state[key] = placeholder
+        self._refs[id(placeholder)] = _StorageRef(storage_key, _storage_class(dtype), numel)
+
+    def add_ranges(self, key: str, ranges: Sequence[FileRange], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Like `add`, for a tensor whose row-major bytes are `ranges` of other files (copied, never loaded)."""
+        self._open_file()
+        if key in self._state:
+            raise ValueError(f"{self.path}: duplicate key {key!r}")
+        numel = torch.Size(shape).numel()
+        if any(r.dtype != dtype for r in ranges) or sum(r.length for r in ranges) != numel * dtype.itemsize:
+            raise ValueError(f"{self.path}: the pieces of {key!r} do not add up to {dtype} {shape}")
+        storage_key = str(len(self._state))
+        chunks = _range_chunks(ranges, bytearray(COPY_BUFFER_BYTES))
+        try:
+            self._crcs.append(self._zip.write_record(f"data/{storage_key}", chunks, numel * dtype.itemsize))
+        except BaseException:
+            self.abort()
+            raise
+        placeholder = torch.empty(shape, dtype=dtype, device="meta")
+        self._state[key] = placeholder
+        self._refs[id(placeholder)] = _StorageRef(storage_key, _storage_class(dtype), numel)
+
     def close(self, root: Callable[[dict[str, torch.Tensor]], object] | None = None) -> None:
         """Writes the pickle of `root(state)` (default: `state`, a dict key -> tensor in `add` order) and the
         zip's directory. The tensors `root` sees are meta-device placeholders for the written ones."""
@@ -427,6 +469,28 @@ class XserWriter:
             writer.close(lambda state: state[key])
         refs[key] = XserTensorReference(tid)
 
+    def add_pieces(self, key: str, pieces: Iterable[torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Like `add`, for a tensor given as consecutive row-major pieces."""
+        refs = self._open_refs()
+        if key in refs:
+            raise ValueError(f"{self.path}: duplicate key {key!r}")
+        tid = len(refs)
+        with TorchFileWriter(_tensor_file(self.path, tid)) as writer:
+            writer.add_pieces(key, pieces, dtype, shape)
+            writer.close(lambda state: state[key])
+        refs[key] = XserTensorReference(tid)
+
+    def add_ranges(self, key: str, ranges: Sequence[FileRange], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Like `add`, for a tensor whose row-major bytes are `ranges` of other files."""
+        refs = self._open_refs()
+        if key in refs:
+            raise ValueError(f"{self.path}: duplicate key {key!r}")
+        tid = len(refs)
+        with TorchFileWriter(_tensor_file(self.path, tid)) as writer:
+            writer.add_ranges(key, ranges, dtype, shape)
+            writer.close(lambda state: state[key])
+        refs[key] = XserTensorReference(tid)
+
     def close(self, root: Callable[[dict[str, Any]], object] | None = None) -> None:
         """Writes the main file: `root(state)` (default `state`), where `state` maps each key, in `add` order,
         to its `XserTensorReference` (pickled as torch_xla's `TensorReference`)."""
@@ -481,23 +545,23 @@ def _safetensors_dtype(dtype: torch.dtype) -> str:
 COPY_BUFFER_BYTES = 8 << 20
 
 
-def _copy_range(piece: FileRange, destination: int, buffer: bytearray) -> None:
-    """Append `piece` to the file open at `destination` through one reused buffer, as `cp` does.
+def _range_chunks(ranges: Sequence[FileRange], buffer: bytearray) -> Iterator[memoryview]:
+    """The bytes of `ranges` in order, read through one reused buffer (as `cp` copies).
 
-    A reused buffer stays in memory; copy_file_range, tried first, was 3x slower on ext4 here.
+    Each chunk is only valid until the next is requested. copy_file_range, tried first, was 3x slower
+    on ext4 here, and reading into fresh memory costs a page fault per page.
     """
     view = memoryview(buffer)
-    with piece.path.open("rb") as source:
-        offset, remaining = piece.offset, piece.length
-        while remaining:
-            read = os.preadv(source.fileno(), [view[: min(remaining, len(buffer))]], offset)
-            if read <= 0:
-                raise ValueError(f"{piece.path}: ends before byte {offset + remaining}")
-            written = 0
-            while written < read:
-                written += os.write(destination, view[written:read])
-            offset += read
-            remaining -= read
+    for piece in ranges:
+        with piece.path.open("rb") as source:
+            offset, remaining = piece.offset, piece.length
+            while remaining:
+                read = os.preadv(source.fileno(), [view[: min(remaining, len(buffer))]], offset)
+                if read <= 0:
+                    raise ValueError(f"{piece.path}: ends before byte {offset + remaining}")
+                yield view[:read]
+                offset += read
+                remaining -= read
 
 
 class SafetensorsWriter:
@@ -571,10 +635,8 @@ class SafetensorsWriter:
         try:
             if any(r.dtype != dtype for r in ranges) or sum(r.length for r in ranges) != expected:
                 raise ValueError(f"{self.path}: the pieces of {name!r} do not add up to {dtype} {shape}")
-            file.flush()
-            buffer = bytearray(COPY_BUFFER_BYTES)
-            for piece in ranges:
-                _copy_range(piece, file.fileno(), buffer)
+            for chunk in _range_chunks(ranges, bytearray(COPY_BUFFER_BYTES)):
+                file.write(chunk)
         except BaseException:
             self.abort()
             raise
