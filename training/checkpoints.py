@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -162,21 +163,29 @@ class HfSource:
             raise UserError(str(error)) from None
 
 
+PlanEntry = tuple[str, torch.dtype, tuple[int, ...]]
+
+
 class HfTarget:
-    """Sharded safetensors with `model.safetensors.index.json`, config and tokenizer files beside them."""
+    """Sharded safetensors with `model.safetensors.index.json`, config and tokenizer files beside them.
+
+    Shards split only between rules, so one rule's tensors land in one file, and files can be written
+    concurrently (one writer per file: the kernel serialises writes to a single file).
+    """
 
     def __init__(
-        self, directory: Path, plan: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_bytes: int
+        self, directory: Path, plan: Sequence[PlanEntry], groups: Sequence[Sequence[str]], max_shard_bytes: int
     ) -> None:
         self.directory = directory
-        self.shards = _split_plan(plan, max_shard_bytes)
+        self.shards = split_plan(plan, groups, max_shard_bytes)
         count = len(self.shards)
         self.files = [
             f"model-{i + 1:05d}-of-{count:05d}.safetensors" if count > 1 else "model.safetensors" for i in range(count)
         ]
         self.location = {name: index for index, shard in enumerate(self.shards) for name, _, _ in shard}
         self.total_bytes = sum(_nbytes(dtype, shape) for _, dtype, shape in plan)
-        self._current: tuple[int, SafetensorsWriter] | None = None
+        self._writers: dict[int, SafetensorsWriter] = {}
+        self._lock = threading.Lock()
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
@@ -187,19 +196,15 @@ class HfTarget:
 
     def _writer_for(self, name: str) -> SafetensorsWriter:
         index = self.location[name]
-        if self._current is None or self._current[0] != index:
-            self._close_current()
-            path = self.directory / self.files[index]
-            self._current = (index, SafetensorsWriter(path, self.shards[index], metadata={"format": "pt"}))
-        return self._current[1]
-
-    def _close_current(self) -> None:
-        if self._current is not None:
-            self._current[1].close()
-            self._current = None
+        with self._lock:
+            if index not in self._writers:
+                path = self.directory / self.files[index]
+                self._writers[index] = SafetensorsWriter(path, self.shards[index], metadata={"format": "pt"})
+            return self._writers[index]
 
     def close(self) -> None:
-        self._close_current()
+        for writer in self._writers.values():
+            writer.close()
         if len(self.files) > 1:
             index = {
                 "metadata": {"total_size": self.total_bytes},
@@ -215,18 +220,29 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return count * torch.empty(0, dtype=dtype).element_size()
 
 
-def _split_plan(
-    plan: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max_bytes: int
-) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
-    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+def split_plan(plan: Sequence[PlanEntry], groups: Sequence[Sequence[str]], max_bytes: int) -> list[list[PlanEntry]]:
+    """The fewest files of at most `max_bytes` (one rule may exceed it alone), balanced in size, cut only
+    between groups (the tensors of one rule)."""
+    entries = {entry[0]: entry for entry in plan}
+    sized: list[tuple[list[PlanEntry], int]] = []
+    seen: set[str] = set()
+    for group in groups:
+        members = [entries[name] for name in group if name in entries and name not in seen]
+        seen.update(entry[0] for entry in members)
+        if members:
+            sized.append((members, sum(_nbytes(dtype, shape) for _, dtype, shape in members)))
+    total = sum(size for _, size in sized)
+    count = max(1, -(-total // max_bytes))
+    target = total / count
+    shards: list[list[PlanEntry]] = [[]]
     size = 0
-    for entry in plan:
-        nbytes = _nbytes(entry[1], entry[2])
-        if shards[-1] and size + nbytes > max_bytes:
+    for members, group_size in sized:
+        # Start the next file when this group would end closer to the next file's share than to this one's.
+        if shards[-1] and size + group_size / 2 > target and len(shards) < count:
             shards.append([])
             size = 0
-        shards[-1].append(entry)
-        size += nbytes
+        shards[-1] += members
+        size += group_size
     return shards
 
 

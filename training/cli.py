@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--workers", type=int, default=min(8, os.cpu_count() or 1), help="threads cutting and writing shards"
     )
-    convert.add_argument("--max-shard-size", default="5GB", help="hf output shard size, e.g. 2GB, 500MB (default: 5GB)")
+    convert.add_argument(
+        "--max-shard-size", default="2GB", help="hf output shard size; shards are written in parallel (default: 2GB)"
+    )
     return parser
 
 

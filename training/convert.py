@@ -12,8 +12,10 @@ import ctypes
 import ctypes.util
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -47,7 +49,7 @@ class ConvertOptions:
     force: bool = False
     overwrite: bool = False
     verify: bool = False
-    max_shard_bytes: int = 5 * 1024**3
+    max_shard_bytes: int = 2 * 10**9
     workers: int = min(8, os.cpu_count() or 1)
 
 
@@ -80,27 +82,36 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
     with atomic_directory(options.output) as output:
         target: HfTarget | ShardedTarget
         if options.target_format == "hf":
-            target = HfTarget(output, plan, options.max_shard_bytes)
+            target = HfTarget(
+                output, plan, [rule.sources for rules in groups for rule in rules], options.max_shard_bytes
+            )
         else:
             target = ShardedTarget(
                 options.target_format, output, source.spec, parallelism, xser=options.xser, workers=options.workers
             )
-        progress = f"{options.source_format} -> {options.target_format}"
-        for rules in tqdm(groups, desc=progress, unit=" layers", disable=None):
-            for rule in rules:
-                if isinstance(target, HfTarget):
-                    write_hf_rule(rule, source, target, hf_names, checksums if options.verify else None)
-                elif not (
-                    isinstance(source, HfSource)
-                    and not options.verify
-                    and target.write_rule_ranges(rule, source.lazy(rule))
-                ):
-                    tensors = source.read([rule])
-                    if options.verify:
-                        checksums |= {name: tensor_sha256(t) for name, t in tensors.items() if name in hf_names}
-                    target.write_rule(rule, tensors)
-                    del tensors
-                release_mappings()
+        progress = tqdm(
+            total=len(groups), desc=f"{options.source_format} -> {options.target_format}", unit=" layers", disable=None
+        )
+        if isinstance(target, HfTarget):
+            checksums = write_hf(
+                groups, source, target, hf_names, verify=options.verify, workers=options.workers, progress=progress
+            )
+        else:
+            for rules in groups:
+                for rule in rules:
+                    if not (
+                        isinstance(source, HfSource)
+                        and not options.verify
+                        and target.write_rule_ranges(rule, source.lazy(rule))
+                    ):
+                        tensors = source.read([rule])
+                        if options.verify:
+                            checksums |= {name: tensor_sha256(t) for name, t in tensors.items() if name in hf_names}
+                        target.write_rule(rule, tensors)
+                        del tensors
+                    release_mappings()
+                progress.update(1)
+        progress.close()
         target.close()
         companions = copy_companions(source.directory, source.config_path, output)
         verified = verify(options.target_format, output, checksums, options.config) if options.verify else None
@@ -161,20 +172,55 @@ def target_parallelism(options: ConvertOptions, source: Source) -> Parallelism:
     return Parallelism(tp=options.tp, pp=options.pp, kv_multiplier=multiplier, fuse_qkv=options.fuse_qkv)
 
 
-def write_hf_rule(
-    rule: Rule, source: Source, target: HfTarget, hf_names: set[str], checksums: dict[str, str] | None
-) -> None:
-    """A rule's Hugging Face tensors; copied file to file by the kernel when they are plain concatenations."""
-    ranges = source.read_ranges(rule) if isinstance(source, ShardedSource) and checksums is None else None
+def write_hf(
+    groups: Sequence[Sequence[Rule]],
+    source: Source,
+    target: HfTarget,
+    hf_names: set[str],
+    *,
+    verify: bool,
+    workers: int,
+    progress: Any,
+) -> dict[str, str]:
+    """Every rule, the rules of each output file in order, files in parallel; checksums if verifying."""
+    per_file: dict[int, list[Rule]] = {}
+    last_rule_of_group = {id(rules[-1]): rules for rules in groups}
+    assigned: set[str] = set()  # a tied LM head's rule names the embedding a second time
+    for rules in groups:
+        for rule in rules:
+            names = [name for name in rule.sources if name in hf_names and name not in assigned]
+            if names:
+                assigned.update(names)
+                per_file.setdefault(target.location[names[0]], []).append(rule)
+    checksums: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def write_file(rules: list[Rule]) -> None:
+        for rule in rules:
+            found = write_hf_rule(rule, source, target, hf_names, verify)
+            release_mappings()
+            with lock:
+                checksums.update(found)
+                if id(rule) in last_rule_of_group:
+                    progress.update(1)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(per_file)))) as pool:
+        for job in [pool.submit(write_file, rules) for rules in per_file.values()]:
+            job.result()
+    return checksums
+
+
+def write_hf_rule(rule: Rule, source: Source, target: HfTarget, hf_names: set[str], verify: bool) -> dict[str, str]:
+    """A rule's Hugging Face tensors (their checksums if verifying); plain concatenations copied file to file."""
+    ranges = source.read_ranges(rule) if isinstance(source, ShardedSource) and not verify else None
     if ranges is not None:
         for name in rule.sources:
             if name in hf_names:
                 target.write_ranges(name, ranges[name])
-        return
+        return {}
     tensors = {name: tensor for name, tensor in source.read([rule]).items() if name in hf_names}
-    if checksums is not None:
-        checksums |= {name: tensor_sha256(t) for name, t in tensors.items()}
     target.write(tensors)
+    return {name: tensor_sha256(t) for name, t in tensors.items()} if verify else {}
 
 
 def verify(fmt: CheckpointFormat, output: Path, checksums: dict[str, str], config: Path | None) -> int:

@@ -22,7 +22,13 @@ from training.tensor_reader import lazy_tensors, open_checkpoint_file
 
 
 def llama(
-    directory: Path, *, heads: int = 8, kv_heads: int = 2, layers: int = 2, dtype: torch.dtype = torch.float32
+    directory: Path,
+    *,
+    heads: int = 8,
+    kv_heads: int = 2,
+    layers: int = 2,
+    dtype: torch.dtype = torch.float32,
+    tied: bool = False,
 ) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -34,7 +40,7 @@ def llama(
         num_key_value_heads=kv_heads,
         max_position_embeddings=64,
         rope_theta=10000.0,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     model = LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(directory)
@@ -89,6 +95,7 @@ LLAMA_CASES = {
     "fused-qkv-tp4": ({"heads": 8, "kv_heads": 2}, {"tp": 4, "fuse_qkv": True}),
     "xser-tp2-pp2": ({"heads": 8, "kv_heads": 2, "layers": 4}, {"tp": 2, "pp": 2, "xser": True}),
     "bf16-tp4": ({"heads": 8, "kv_heads": 2, "dtype": torch.bfloat16}, {"tp": 4}),
+    "tied-embeddings-tp2": ({"heads": 8, "kv_heads": 2, "tied": True}, {"tp": 2}),
 }
 
 
@@ -121,6 +128,28 @@ def test_output_loads_with_transformers_and_gives_the_same_logits(tmp_path: Path
     ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
     expected = AutoModelForCausalLM.from_pretrained(source)(ids).logits
     assert torch.equal(AutoModelForCausalLM.from_pretrained(back)(ids).logits, expected)
+
+
+def test_hf_output_files_are_balanced_and_written_in_parallel(tmp_path: Path) -> None:
+    source = llama(tmp_path / "hf", layers=4)
+    sharded, back = tmp_path / "nxd", tmp_path / "back"
+    convert(ConvertOptions(source_format="hf", target_format="nxd", input=source, output=sharded, tp=2))
+    convert(
+        ConvertOptions(
+            source_format="nxd", target_format="hf", input=sharded, output=back, max_shard_bytes=60_000, workers=2
+        )
+    )
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    sizes = [(back / f).stat().st_size for f in files]
+    assert len(files) == -(-index["metadata"]["total_size"] // 60_000)
+    assert max(sizes) < 1.5 * min(sizes), sizes
+    # one rule's tensors stay together: gate and up of a layer are in the same file
+    assert (
+        index["weight_map"]["model.layers.1.mlp.gate_proj.weight"]
+        == index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    )
+    assert_identical(hf_tensors(source), hf_tensors(back))
 
 
 def test_nxd_output_has_the_documented_files(tmp_path: Path) -> None:
