@@ -307,31 +307,14 @@ class TorchFileWriter:
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         """Writes the tensor's bytes now; only its dtype and shape are kept."""
-        self._open_file()
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
-        if key in self._state:
-            raise ValueError(f"{self.path}: duplicate key {key!r}")
-        storage_class = _storage_class(tensor.dtype)
+        _storage_class(tensor.dtype)  # refuse unsupported dtypes before writing anything
         tensor = _prepare(tensor)
-        storage_key = str(len(self._state))
-        nbytes = tensor.numel() * tensor.element_size()
-        try:
-            self._crcs.append(self._zip.write_record(f"data/{storage_key}", _tensor_bytes(tensor), nbytes))
-        except BaseException:
-            self.abort()
-            raise
-        placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-        self._state[key] = placeholder
-        self._refs[id(placeholder)] = _StorageRef(storage_key, storage_class, tensor.numel())
+        self._record(key, _tensor_bytes(tensor), tensor.dtype, tuple(tensor.shape))
 
     def add_pieces(self, key: str, pieces: Iterable[torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Like `add`, for a tensor given as consecutive row-major pieces, each written as it comes."""
-        self._open_file()
-        if key in self._state:
-            raise ValueError(f"{self.path}: duplicate key {key!r}")
-        numel = torch.Size(shape).numel()
-        storage_key = str(len(self._state))
 
         def chunks() -> Iterator[memoryview]:
             for piece in pieces:
@@ -339,25 +322,24 @@ class TorchFileWriter:
                     raise ValueError(f"{self.path}: a piece of {key!r} is {piece.dtype}, expected {dtype}")
                 yield from _tensor_bytes(_prepare(piece))
 
-        try:
-            self._crcs.append(self._zip.write_record(f"data/{storage_key}", chunks(), numel * dtype.itemsize))
-        except BaseException:
-            self.abort()
-            raise
-        placeholder = torch.empty(shape, dtype=dtype, device="meta")
-        self._state[key] = placeholder
-        self._refs[id(placeholder)] = _StorageRef(storage_key, _storage_class(dtype), numel)
+        self._record(key, chunks(), dtype, shape)
 
     def add_ranges(self, key: str, ranges: Sequence[FileRange], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Like `add`, for a tensor whose row-major bytes are `ranges` of other files (copied, never loaded)."""
+        if (
+            any(r.dtype != dtype for r in ranges)
+            or sum(r.length for r in ranges) != torch.Size(shape).numel() * dtype.itemsize
+        ):
+            raise ValueError(f"{self.path}: the pieces of {key!r} do not add up to {dtype} {shape}")
+        self._record(key, _range_chunks(ranges, bytearray(COPY_BUFFER_BYTES)), dtype, shape)
+
+    def _record(self, key: str, chunks: Iterable[memoryview], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """One storage record from `chunks`, and the placeholder the pickle will refer to it by."""
         self._open_file()
         if key in self._state:
             raise ValueError(f"{self.path}: duplicate key {key!r}")
         numel = torch.Size(shape).numel()
-        if any(r.dtype != dtype for r in ranges) or sum(r.length for r in ranges) != numel * dtype.itemsize:
-            raise ValueError(f"{self.path}: the pieces of {key!r} do not add up to {dtype} {shape}")
         storage_key = str(len(self._state))
-        chunks = _range_chunks(ranges, bytearray(COPY_BUFFER_BYTES))
         try:
             self._crcs.append(self._zip.write_record(f"data/{storage_key}", chunks, numel * dtype.itemsize))
         except BaseException:
@@ -460,34 +442,23 @@ class XserWriter:
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         """Writes the tensor's own `torch.save`-format file now."""
-        refs = self._open_refs()
-        if key in refs:
-            raise ValueError(f"{self.path}: duplicate key {key!r}")
-        tid = len(refs)
-        with TorchFileWriter(_tensor_file(self.path, tid)) as writer:
-            writer.add(key, tensor)
-            writer.close(lambda state: state[key])
-        refs[key] = XserTensorReference(tid)
+        self._tensor_file(key, lambda writer: writer.add(key, tensor))
 
     def add_pieces(self, key: str, pieces: Iterable[torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Like `add`, for a tensor given as consecutive row-major pieces."""
-        refs = self._open_refs()
-        if key in refs:
-            raise ValueError(f"{self.path}: duplicate key {key!r}")
-        tid = len(refs)
-        with TorchFileWriter(_tensor_file(self.path, tid)) as writer:
-            writer.add_pieces(key, pieces, dtype, shape)
-            writer.close(lambda state: state[key])
-        refs[key] = XserTensorReference(tid)
+        self._tensor_file(key, lambda writer: writer.add_pieces(key, pieces, dtype, shape))
 
     def add_ranges(self, key: str, ranges: Sequence[FileRange], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Like `add`, for a tensor whose row-major bytes are `ranges` of other files."""
+        self._tensor_file(key, lambda writer: writer.add_ranges(key, ranges, dtype, shape))
+
+    def _tensor_file(self, key: str, write: Callable[[TorchFileWriter], None]) -> None:
         refs = self._open_refs()
         if key in refs:
             raise ValueError(f"{self.path}: duplicate key {key!r}")
         tid = len(refs)
         with TorchFileWriter(_tensor_file(self.path, tid)) as writer:
-            writer.add_ranges(key, ranges, dtype, shape)
+            write(writer)
             writer.close(lambda state: state[key])
         refs[key] = XserTensorReference(tid)
 
