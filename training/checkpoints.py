@@ -37,6 +37,7 @@ from training.tensor_reader import (
     FileRange,
     LazyTensor,
     lazy_tensors,
+    nbytes,
     open_checkpoint_file,
     open_safetensors,
     open_torch_file,
@@ -183,7 +184,7 @@ class HfTarget:
             f"model-{i + 1:05d}-of-{count:05d}.safetensors" if count > 1 else "model.safetensors" for i in range(count)
         ]
         self.location = {name: index for index, shard in enumerate(self.shards) for name, _, _ in shard}
-        self.total_bytes = sum(_nbytes(dtype, shape) for _, dtype, shape in plan)
+        self.total_bytes = sum(nbytes(dtype, shape) for _, dtype, shape in plan)
         self._writers: dict[int, SafetensorsWriter] = {}
         self._lock = threading.Lock()
 
@@ -213,13 +214,6 @@ class HfTarget:
             (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty(0, dtype=dtype).element_size()
-
-
 def split_plan(plan: Sequence[PlanEntry], groups: Sequence[Sequence[str]], max_bytes: int) -> list[list[PlanEntry]]:
     """The fewest files of at most `max_bytes` (one rule may exceed it alone), balanced in size, cut only
     between groups (the tensors of one rule)."""
@@ -230,7 +224,7 @@ def split_plan(plan: Sequence[PlanEntry], groups: Sequence[Sequence[str]], max_b
         members = [entries[name] for name in group if name in entries and name not in seen]
         seen.update(entry[0] for entry in members)
         if members:
-            sized.append((members, sum(_nbytes(dtype, shape) for _, dtype, shape in members)))
+            sized.append((members, sum(nbytes(dtype, shape) for _, dtype, shape in members)))
     total = sum(size for _, size in sized)
     count = max(1, -(-total // max_bytes))
     target = total / count

@@ -27,7 +27,7 @@ from training.checkpoints import HfSource, HfTarget, ShardedSource, ShardedTarge
 from training.errors import UserError
 from training.layouts import Parallelism, Rule, all_rules, check_parallelism, default_kv_multiplier
 from training.outputs import atomic_directory, reusable, write_manifest
-from training.tensor_reader import release_mappings
+from training.tensor_reader import nbytes, release_mappings
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter, from glibc's malloc.h
 CheckpointFormat = Literal["hf", "nxd", "nemo"]
@@ -130,7 +130,7 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
             },
             "xser": options.xser,
             "tensors": len(plan),
-            "bytes": sum(_tensor_bytes(entry) for entry in plan),
+            "bytes": sum(nbytes(dtype, shape) for _, dtype, shape in plan),
             "companion_files": companions,
             "verified_tensors": verified,
             "elapsed_seconds": round(time.monotonic() - started, 3),
@@ -253,13 +253,6 @@ def _layout(options: ConvertOptions, source: Source) -> Literal["nxd", "nemo"]:
     if isinstance(source, ShardedSource):
         return source.layout
     return "nemo" if options.target_format == "nemo" else "nxd"
-
-
-def _tensor_bytes(entry: tuple[str, torch.dtype, tuple[int, ...]]) -> int:
-    count = 1
-    for size in entry[2]:
-        count *= size
-    return count * torch.empty(0, dtype=entry[1]).element_size()
 
 
 def _fingerprint_files(directory: Path) -> dict[str, Any]:

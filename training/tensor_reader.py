@@ -84,22 +84,19 @@ class LazyTensor:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * _itemsize(self.dtype)
+        return nbytes(self.dtype, self.shape)
 
     def row_range(self, start: int, count: int) -> FileRange | None:
         """Where rows [start, start + count) lie in the file, if the tensor is stored plainly (row-major)."""
         if self.stride != _contiguous_stride(self.shape) or not self.shape:
             return None
         row_bytes = self.nbytes // self.shape[0] if self.shape[0] else 0
-        begin = self.offset + self.storage_offset * _itemsize(self.dtype) + start * row_bytes
+        begin = self.offset + self.storage_offset * self.dtype.itemsize + start * row_bytes
         return FileRange(self.path, begin, count * row_bytes, self.dtype)
 
     def load(self) -> torch.Tensor:
         """The tensor; large ones are views of a private file mapping (see `release_mappings`)."""
-        itemsize = _itemsize(self.dtype)
+        itemsize = self.dtype.itemsize
         if self.storage_bytes >= MAP_MIN_BYTES and self.offset % itemsize == 0:
             mapping = _mapping(self.path)
             if self.offset + self.storage_bytes > len(mapping):
@@ -148,8 +145,9 @@ def release_mappings() -> None:
         mapping.madvise(mmap.MADV_DONTNEED)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Size in bytes of a tensor of this dtype and shape."""
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -261,7 +259,7 @@ class _LazyUnpickler(pickle.Unpickler):
 
     def _rebuild(self, storage: _StorageRef, storage_offset: int, size: Any, stride: Any, *args: Any) -> LazyTensor:
         offset, length = self._locate(storage)
-        expected = storage.numel * _itemsize(storage.dtype)
+        expected = storage.numel * storage.dtype.itemsize
         if length != expected:
             raise CheckpointError(f"{self._path}: storage {storage.key} holds {length} bytes, expected {expected}")
         return LazyTensor(self._path, offset, length, storage.dtype, tuple(size), tuple(stride), int(storage_offset))

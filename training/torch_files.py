@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Final
+from typing import Any, BinaryIO, Final, TypeVar
 
 import torch
 
@@ -271,7 +271,34 @@ def _rename_globals(data: bytes) -> bytes:
     return bytes(out)
 
 
-class TorchFileWriter:
+_W = TypeVar("_W", bound="_Writer")
+
+
+class _Writer:
+    """Context-manager behaviour shared by the writers: finish on success, remove the partial file on error."""
+
+    def _is_open(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _W) -> _W:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._is_open():
+            self.close()
+
+
+class TorchFileWriter(_Writer):
     """Streams tensors into a file that `torch.load` (also with `mmap=True, weights_only=True`) reads as
     if `torch.save(root(state), path)` had written it, holding only one tensor (or an 8 MB piece of a
     non-contiguous view) in memory at a time.
@@ -289,16 +316,8 @@ class TorchFileWriter:
         self._refs: dict[int, _StorageRef] = {}  # id(meta tensor) -> its record
         self._crcs: list[int] = []
 
-    def __enter__(self) -> TorchFileWriter:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is not None:
-            self.abort()
-        elif self._file is not None:
-            self.close()
+    def _is_open(self) -> bool:
+        return self._file is not None
 
     def _open_file(self) -> BinaryIO:
         if self._file is None:
@@ -407,7 +426,7 @@ def _tensor_file(path: Path, tid: int) -> Path:
     return _tensors_dir(path) / f"tensor_{tid}.pt"
 
 
-class XserWriter:
+class XserWriter(_Writer):
     """Streams a torch_xla xser checkpoint: tensor `tid` goes to `<path>.tensors/tensor_<tid>.pt` at `add`
     (tids in `add` order), and `close` writes `<path>` with each tensor replaced by a
     `torch_xla.utils.serialization.TensorReference(tid)`, as `torch_xla.utils.serialization.save` does.
@@ -424,16 +443,8 @@ class XserWriter:
         self._dir.mkdir()
         self._refs: dict[str, XserTensorReference] | None = {}
 
-    def __enter__(self) -> XserWriter:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is not None:
-            self.abort()
-        elif self._refs is not None:
-            self.close()
+    def _is_open(self) -> bool:
+        return self._refs is not None
 
     def _open_refs(self) -> dict[str, XserTensorReference]:
         if self._refs is None:
@@ -535,7 +546,7 @@ def _range_chunks(ranges: Sequence[FileRange], buffer: bytearray) -> Iterator[me
                 remaining -= read
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(_Writer):
     """Streams a safetensors file whose header is written up front from a plan of (name, dtype, shape).
 
     Tensors are stored in plan order; any order is a valid file, and `safetensors_save_order(plan)` gives
@@ -577,16 +588,8 @@ class SafetensorsWriter:
             self.abort()
             raise
 
-    def __enter__(self) -> SafetensorsWriter:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is not None:
-            self.abort()
-        elif self._file is not None:
-            self.close()
+    def _is_open(self) -> bool:
+        return self._file is not None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Writes the next planned tensor's bytes now; name, dtype and shape must match the plan."""
