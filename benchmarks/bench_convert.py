@@ -11,14 +11,16 @@ Generates a Llama-shaped bf16 checkpoint of more than 2 GB (Llama 3 8B widths, f
                                               torch.save the full state dict;
   (e) cp of the input file (the disk's limit for moving these bytes).
 
-All inputs are in the page cache when measured (each was just written) and dirty pages are flushed
-before each step. Each step runs --repeat times and the fastest run counts (this machine's write
-throughput varies between runs). Prints the ratios.
+Before each step dirty pages are flushed, the page cache is emptied when the benchmark may (as root)
+and the step's inputs are read once, so every step starts with cached inputs and free memory. The
+five steps run in --repeat interleaved rounds and each step's fastest run counts (this machine's write
+throughput varies from minute to minute). Prints the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -151,6 +153,17 @@ def reference_reverse(source: Path, output: Path, tp: int) -> None:
 # --- measurement -----------------------------------------------------------------------------------------
 
 
+def settle() -> None:
+    """Flush dirty pages and, when allowed (root), empty the page cache, so every step starts alike.
+
+    Otherwise a step's speed depends on how full the cache was left by the steps before it (the kernel
+    has to reclaim memory for every page written).
+    """
+    os.sync()
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
 def warm(*paths: Path) -> None:
     """Read the inputs of the next step once, so every step starts from cached, clean input files."""
     for path in paths:
@@ -164,10 +177,10 @@ def warm(*paths: Path) -> None:
 def measured(code: str, *inputs: Path) -> tuple[float, float]:
     """(seconds, peak RSS in GB) of `code` run in a fresh interpreter (VmHWM: this process alone).
 
-    Dirty pages of earlier steps are flushed and the step's inputs read once beforehand, so no step pays
-    for another's write-back or finds its input colder than another's.
+    Dirty pages of earlier steps are flushed, the cache emptied if allowed, and the step's inputs read
+    once beforehand, so no step pays for another's write-back or finds its input colder than another's.
     """
-    os.sync()
+    settle()
     warm(*inputs)
     script = (
         "import sys, time\n"
@@ -185,13 +198,14 @@ def measured(code: str, *inputs: Path) -> tuple[float, float]:
     return float(seconds), int(kilobytes) / 1024**2
 
 
-def best_of(repeat: int, code: str, output: Path, *inputs: Path) -> tuple[float, float]:
-    """Fastest of `repeat` runs (this machine's write speed varies from run to run) and their peak RSS."""
-    runs = []
-    for _ in range(repeat):
-        shutil.rmtree(output, ignore_errors=True)
-        runs.append(measured(code, *inputs))
-    return min(seconds for seconds, _ in runs), max(rss for _, rss in runs)
+def copy_time(source: Path, target: Path) -> float:
+    """Seconds `cp` takes for the same bytes, measured like the other steps (flushed, warm input)."""
+    target.unlink(missing_ok=True)
+    settle()
+    warm(source)
+    started = time.perf_counter()
+    subprocess.run(["cp", str(source), str(target)], check=True)
+    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -199,7 +213,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--workdir", type=Path)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per step; the fastest counts")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of all five steps; each step's fastest counts")
     arguments = parser.parse_args()
     work = arguments.workdir or Path(tempfile.mkdtemp(prefix="bench-convert-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -223,23 +237,32 @@ def main() -> None:
     reverse_reference = (
         reference + f"b.reference_reverse(Path({str(work / 'ref-nxd')!r}), Path({str(work / 'ref-hf')!r}), {tp})"
     )
-    repeat = arguments.repeat
+    labels = [
+        "(a) ours hf -> nxd",
+        "(b) reference hf -> nxd",
+        "(c) ours nxd -> hf",
+        "(d) reference nxd -> hf",
+        "(e) cp of the same bytes",
+    ]
+    runs: dict[str, list[tuple[float, float]]] = {label: [] for label in labels}
+    # Rounds interleave the steps, so a slow spell of this machine's disk hits every step alike; outputs
+    # are deleted as soon as they are no longer needed, so page-cache pressure is the same in every round.
+    for _ in range(arguments.repeat):
+        for folder in ("ours-nxd", "ref-nxd", "ours-hf", "ref-hf"):
+            shutil.rmtree(work / folder, ignore_errors=True)
+        runs[labels[0]].append(measured(ours_forward, hf))
+        runs[labels[1]].append(measured(forward_reference, hf))
+        shutil.copyfile(hf / "config.json", work / "ref-nxd" / "config.json")
+        runs[labels[2]].append(measured(ours_reverse, work / "ours-nxd"))
+        shutil.rmtree(work / "ours-hf")
+        runs[labels[3]].append(measured(reverse_reference, work / "ref-nxd"))
+        shutil.rmtree(work / "ref-hf")
+        runs[labels[4]].append((copy_time(hf / "pytorch_model.bin", work / "copy.bin"), float("nan")))
+        (work / "copy.bin").unlink()
     rows = {
-        "(a) ours hf -> nxd": best_of(repeat, ours_forward, work / "ours-nxd", hf),
-        "(b) reference hf -> nxd": best_of(repeat, forward_reference, work / "ref-nxd", hf),
+        label: (min(seconds for seconds, _ in results), max(rss for _, rss in results))
+        for label, results in runs.items()
     }
-    shutil.copyfile(hf / "config.json", work / "ref-nxd" / "config.json")
-    rows["(c) ours nxd -> hf"] = best_of(repeat, ours_reverse, work / "ours-hf", work / "ours-nxd")
-    rows["(d) reference nxd -> hf"] = best_of(repeat, reverse_reference, work / "ref-hf", work / "ref-nxd")
-    copy_times = []
-    for _ in range(repeat):
-        (work / "copy.bin").unlink(missing_ok=True)
-        os.sync()
-        warm(hf / "pytorch_model.bin")
-        started = time.perf_counter()
-        subprocess.run(["cp", str(hf / "pytorch_model.bin"), str(work / "copy.bin")], check=True)
-        copy_times.append(time.perf_counter() - started)
-    rows["(e) cp of the same bytes"] = (min(copy_times), float("nan"))
 
     print(f"{'step':<28}{'seconds':>9}{'peak RSS GB':>13}")
     print(f"{'python + torch imported':<28}{'':>9}{baseline[1]:13.2f}")

@@ -8,10 +8,12 @@ come from `training.layouts`; file formats from `training.tensor_reader` and `tr
 from __future__ import annotations
 
 import json
+import os
+import queue
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -194,6 +196,9 @@ class HfTarget:
 
     def write_ranges(self, name: str, ranges: Sequence[FileRange]) -> None:
         self._writer_for(name).add_ranges(name, ranges)
+
+    def write_pieces(self, name: str, pieces: Iterable[torch.Tensor]) -> None:
+        self._writer_for(name).add_pieces(name, pieces)
 
     def _writer_for(self, name: str) -> SafetensorsWriter:
         index = self.location[name]
@@ -394,6 +399,15 @@ class ShardedSource:
                 ranges[name].append(piece)
         return ranges
 
+    def read_column_blocks(self, rule: Rule) -> Iterator[torch.Tensor] | None:
+        """For a merge that concatenates one tensor along dim 1: the result in row blocks, else None."""
+        merge, shards = rule.merge, self._shards(rule)
+        if not (isinstance(merge, Concatenate) and merge.dim == 1 and len(rule.sources) == 1):
+            return None
+        if not all(plainly_stored_matrix(shard) and shard.shape[0] == shards[0].shape[0] for shard in shards):
+            return None
+        return column_merged_blocks(shards, ROW_BLOCK_BYTES)
+
     def read(self, rules: Sequence[Rule]) -> dict[str, torch.Tensor]:
         result: dict[str, torch.Tensor] = {}
         for rule in rules:
@@ -427,6 +441,70 @@ def row_blocks(tensor: torch.Tensor, max_bytes: int, after_each: Callable[[], No
     for start in range(0, tensor.shape[0], step):
         yield tensor[start : start + step]
         after_each()
+
+
+class RowReader:
+    """Reads row blocks of plainly stored 2-d tensors with pread into two reused buffers.
+
+    Cutting columns from a file mapping faults every page in once per reader and rank; reading each row
+    block once into memory that is already resident costs one copy and no page faults. Two buffers let
+    the next block be read while the previous one is still being written out.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._buffers: list[torch.Tensor] = []
+
+    def rows_per_block(self, lazy: LazyTensor) -> int:
+        return max(1, self.max_bytes // max(1, lazy.nbytes // max(1, lazy.shape[0])))
+
+    def blocks(self, lazy: LazyTensor, step: int | None = None) -> Iterator[torch.Tensor]:
+        """The rows of `lazy` in blocks of `step` rows; each block is valid until the next but one."""
+        rows, start = lazy.shape[0], 0
+        step = step or self.rows_per_block(lazy)
+        row_bytes = lazy.nbytes // lazy.shape[0]
+        if not self._buffers or self._buffers[0].numel() < step * row_bytes:
+            self._buffers = [torch.empty(step * row_bytes, dtype=torch.uint8) for _ in range(2)]
+        whole = lazy.row_range(start, rows)
+        if whole is None:
+            raise ValueError(f"{lazy.path}: tensor is not stored plainly")
+        with whole.path.open("rb") as handle:
+            for index, first in enumerate(range(0, rows, step)):
+                block_rows = min(step, rows - first)
+                buffer = self._buffers[index % 2][: block_rows * row_bytes]
+                view, done = memoryview(cast(Any, buffer.numpy())), 0
+                while done < len(view):
+                    read = os.preadv(handle.fileno(), [view[done:]], whole.offset + first * row_bytes + done)
+                    if read <= 0:
+                        raise CheckpointError(
+                            f"{whole.path}: truncated (a tensor's data ends past the end of the file)"
+                        )
+                    done += read
+                yield buffer.view(lazy.dtype).view(block_rows, *lazy.shape[1:])
+
+
+def plainly_stored_matrix(lazy: LazyTensor) -> bool:
+    return len(lazy.shape) == 2 and lazy.shape[0] > 0 and lazy.row_range(0, lazy.shape[0]) is not None
+
+
+def column_merged_blocks(shards: Sequence[LazyTensor], max_bytes: int) -> Iterator[torch.Tensor]:
+    """Shards concatenated along dim 1, produced in row blocks of about `max_bytes`.
+
+    Each block's rows are read from every shard with pread; the result is never whole in memory. Each
+    block is valid until the next is requested.
+    """
+    readers = [RowReader(max(1, max_bytes // len(shards))) for _ in shards]
+    step = min(reader.rows_per_block(shard) for reader, shard in zip(readers, shards, strict=True))
+    streams = [reader.blocks(shard, step) for reader, shard in zip(readers, shards, strict=True)]
+    rows, width = shards[0].shape[0], sum(shard.shape[1] for shard in shards)
+    output = torch.empty(step * width, dtype=shards[0].dtype)
+    for start in range(0, rows, step):
+        block = output[: min(step, rows - start) * width].view(-1, width)
+        column = 0
+        for stream, shard in zip(streams, shards, strict=True):
+            block[:, column : column + shard.shape[1]].copy_(next(stream))
+            column += shard.shape[1]
+        yield block
 
 
 def split_ranges(split: Any, sources: Sequence[LazyTensor], rank: int) -> tuple[list[FileRange], int] | None:
@@ -508,6 +586,8 @@ class ShardedTarget:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.writers[(tp, pp)] = writer_type(path)
         self.pool = ThreadPoolExecutor(max_workers=workers)
+        self.rank_pool: ThreadPoolExecutor | None = None  # one thread per rank, for write_rule_columns
+        self.row_reader = RowReader(ROW_BLOCK_BYTES)
 
     def write_rule(self, rule: Rule, tensors: dict[str, torch.Tensor]) -> None:
         """Each rank's shard is cut and written by a worker thread (torch copies and file writes release the GIL)."""
@@ -542,6 +622,56 @@ class ShardedTarget:
             job.result()
         return True
 
+    def write_rule_columns(self, rule: Rule, sources: dict[str, LazyTensor]) -> bool:
+        """Column-parallel shards (an even split on dim 1) from one pass over the source's rows.
+
+        Each row block is read once and every rank, in its own thread, writes its columns of it; False
+        for other rules or sources not stored plainly.
+        """
+        split, tp = rule.split, self.parallelism.tp
+        if not (isinstance(split, Chunk) and split.dim == 1 and len(rule.sources) == 1):
+            return False
+        lazy = sources[rule.sources[0]]
+        if not plainly_stored_matrix(lazy) or lazy.shape[1] % tp:
+            return False
+        rows, width = lazy.shape[0], lazy.shape[1] // tp
+        feeds: list[queue.SimpleQueue[torch.Tensor | None]] = [queue.SimpleQueue() for _ in range(tp)]
+        consumed = threading.Semaphore(0)
+
+        def columns(rank: int) -> Iterator[torch.Tensor]:
+            while (block := feeds[rank].get()) is not None:
+                yield block[:, rank * width : (rank + 1) * width]
+                consumed.release()  # asked for the next block: done with this one
+
+        def write_shard(rank: int) -> None:
+            self.writers[(rank, rule.stage)].add_pieces(rule.target, columns(rank), lazy.dtype, (rows, width))
+
+        if self.rank_pool is None:
+            self.rank_pool = ThreadPoolExecutor(max_workers=tp)
+        jobs = [self.rank_pool.submit(write_shard, rank) for rank in range(tp)]
+
+        def wait_for_ranks(count: int) -> None:
+            for _ in range(count):
+                while not consumed.acquire(timeout=0.1):
+                    if failed := [job for job in jobs if job.done()]:
+                        failed[0].result()  # raises the writer's error
+                        raise RuntimeError(f"{rule.target}: a rank stopped before its last block")
+
+        try:
+            pending = 0
+            for block in self.row_reader.blocks(lazy):  # reads the next block while ranks write this one
+                wait_for_ranks(pending)
+                for feed in feeds:
+                    feed.put(block)
+                pending = tp
+            wait_for_ranks(pending)
+        finally:
+            for feed in feeds:
+                feed.put(None)
+        for job in jobs:
+            job.result()
+        return True
+
     def close(self) -> None:
         def wrap(state: dict[str, torch.Tensor]) -> object:
             return {"state_dict": state, **NEMO_CHECKPOINT_META} if self.layout == "nemo" else state
@@ -549,6 +679,8 @@ class ShardedTarget:
         for writer in self.writers.values():
             writer.close(wrap)
         self.pool.shutdown()
+        if self.rank_pool is not None:
+            self.rank_pool.shutdown()
 
 
 def copy_companions(source: Path, config_path: Path, target: Path) -> list[str]:

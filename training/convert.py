@@ -102,7 +102,10 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
                     if not (
                         isinstance(source, HfSource)
                         and not options.verify
-                        and target.write_rule_ranges(rule, source.lazy(rule))
+                        and (
+                            target.write_rule_ranges(rule, source.lazy(rule))
+                            or target.write_rule_columns(rule, source.lazy(rule))
+                        )
                     ):
                         tensors = source.read([rule])
                         if options.verify:
@@ -211,12 +214,17 @@ def write_hf(
 
 
 def write_hf_rule(rule: Rule, source: Source, target: HfTarget, hf_names: set[str], verify: bool) -> dict[str, str]:
-    """A rule's Hugging Face tensors (their checksums if verifying); plain concatenations copied file to file."""
+    """A rule's Hugging Face tensors (their checksums if verifying); plain concatenations streamed, not loaded."""
     ranges = source.read_ranges(rule) if isinstance(source, ShardedSource) and not verify else None
     if ranges is not None:
         for name in rule.sources:
             if name in hf_names:
                 target.write_ranges(name, ranges[name])
+        return {}
+    blocks = source.read_column_blocks(rule) if isinstance(source, ShardedSource) and not verify else None
+    if blocks is not None:
+        if rule.sources[0] in hf_names:
+            target.write_pieces(rule.sources[0], blocks)
         return {}
     tensors = {name: tensor for name, tensor in source.read([rule]).items() if name in hf_names}
     target.write(tensors)

@@ -266,8 +266,16 @@ def _head_rows(tensor: torch.Tensor, heads: Sequence[int], head_dim: int) -> tor
     return torch.cat([tensor[h * head_dim : (h + 1) * head_dim] for h in heads], dim=0)
 
 
+def _heads_in_order(order: list[list[int]]) -> bool:
+    """True when rank r simply holds the r-th block of heads (always so without KV replication)."""
+    flat = [h for heads in order for h in heads]
+    return flat == list(range(len(flat)))
+
+
 def nxd_query(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Merge]:
     order = query_head_order(spec, parallelism)
+    if _heads_in_order(order):
+        return chunk(0, parallelism.tp)  # the same split, recognisable as rows to copy file to file
     inverse = _inverse_order(order, spec.head_dim)
     return (
         lambda sources, rank: _head_rows(sources[0], order[rank], spec.head_dim),
@@ -278,6 +286,8 @@ def nxd_query(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Merge]:
 def nxd_output(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Merge]:
     """o_proj columns follow the query heads of each rank."""
     order = query_head_order(spec, parallelism)
+    if _heads_in_order(order):
+        return chunk(1, parallelism.tp)
     inverse = _inverse_order(order, spec.head_dim)
     return (
         lambda sources, rank: _head_rows(sources[0].t(), order[rank], spec.head_dim).t(),
@@ -298,6 +308,8 @@ def nxd_key_value(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Mer
     tp, m, d = parallelism.tp, parallelism.kv_multiplier, spec.head_dim
     rows = spec.num_kv_heads * d
     per_rank = spec.num_kv_heads * m // tp
+    if m == 1:
+        return chunk(0, tp)  # rank r holds KV heads [r * per_rank, (r + 1) * per_rank)
 
     def split(sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
         # Tiled position p of the repeated weight is KV head p % kv.

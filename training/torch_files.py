@@ -28,11 +28,12 @@ import pickletools
 import shutil
 import struct
 import sys
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Final, TypeVar
+from typing import Any, BinaryIO, Final, TypeVar, cast
 
 import torch
 
@@ -123,8 +124,22 @@ def _storage_class(dtype: torch.dtype) -> type:
     return storage_class
 
 
+_copy_buffers = threading.local()
+
+
+def _copy_buffer() -> torch.Tensor:
+    """This thread's staging buffer: reused, so copying a view costs no fresh pages (no page faults)."""
+    buffer: torch.Tensor | None = getattr(_copy_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _copy_buffers.buffer = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
+    return buffer
+
+
 def _contiguous_pieces(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Contiguous parts of `tensor` in row-major order, copying at most `_CHUNK_BYTES` at a time."""
+    """Contiguous parts of `tensor` in row-major order, each valid only until the next is requested.
+
+    A non-contiguous view is copied through this thread's staging buffer, at most `_CHUNK_BYTES` at a time.
+    """
     if tensor.is_contiguous():  # includes 0-d and empty tensors
         yield tensor
         return
@@ -134,8 +149,11 @@ def _contiguous_pieces(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
             yield from _contiguous_pieces(row)
         return
     step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+    buffer = _copy_buffer()
     for start in range(0, tensor.shape[0], step):
-        yield tensor[start : start + step].contiguous()
+        piece = tensor[start : start + step]
+        staged = buffer[: piece.numel() * piece.element_size()].view(piece.dtype).view(piece.shape)
+        yield staged.copy_(piece)
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> Iterator[memoryview]:
@@ -350,7 +368,7 @@ class TorchFileWriter(_Writer):
             or sum(r.length for r in ranges) != torch.Size(shape).numel() * dtype.itemsize
         ):
             raise ValueError(f"{self.path}: the pieces of {key!r} do not add up to {dtype} {shape}")
-        self._record(key, _range_chunks(ranges, bytearray(COPY_BUFFER_BYTES)), dtype, shape)
+        self._record(key, _range_chunks(ranges), dtype, shape)
 
     def _record(self, key: str, chunks: Iterable[memoryview], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """One storage record from `chunks`, and the placeholder the pickle will refer to it by."""
@@ -524,21 +542,18 @@ def _safetensors_dtype(dtype: torch.dtype) -> str:
         raise ValueError(f"unsupported dtype {dtype} for safetensors") from None
 
 
-COPY_BUFFER_BYTES = 8 << 20
+def _range_chunks(ranges: Sequence[FileRange]) -> Iterator[memoryview]:
+    """The bytes of `ranges` in order, read through this thread's staging buffer (as `cp` copies).
 
-
-def _range_chunks(ranges: Sequence[FileRange], buffer: bytearray) -> Iterator[memoryview]:
-    """The bytes of `ranges` in order, read through one reused buffer (as `cp` copies).
-
-    Each chunk is only valid until the next is requested. copy_file_range, tried first, was 3x slower
-    on ext4 here, and reading into fresh memory costs a page fault per page.
+    Each chunk is only valid until the next is requested. copy_file_range would save a copy, but the zip
+    records need a CRC of the bytes, and a fresh buffer per tensor would cost a page fault per page.
     """
-    view = memoryview(buffer)
+    view = memoryview(cast(Any, _copy_buffer().numpy()))
     for piece in ranges:
         with piece.path.open("rb") as source:
             offset, remaining = piece.offset, piece.length
             while remaining:
-                read = os.preadv(source.fileno(), [view[: min(remaining, len(buffer))]], offset)
+                read = os.preadv(source.fileno(), [view[: min(remaining, len(view))]], offset)
                 if read <= 0:
                     raise ValueError(f"{piece.path}: ends before byte {offset + remaining}")
                 yield view[:read]
@@ -600,6 +615,18 @@ class SafetensorsWriter(_Writer):
             )
         self._write_pieces(name, [tensor], torch.Size(shape).numel())
 
+    def add_pieces(self, name: str, pieces: Iterable[torch.Tensor]) -> None:
+        """Writes the next planned tensor given as consecutive row-major pieces, each written as it comes."""
+        _, dtype, shape = self._expect(name)
+
+        def checked() -> Iterator[torch.Tensor]:
+            for piece in pieces:
+                if piece.dtype != dtype:
+                    raise ValueError(f"{self.path}: a piece of {name!r} is {piece.dtype}, the plan says {dtype}")
+                yield piece
+
+        self._write_pieces(name, checked(), torch.Size(shape).numel())
+
     def add_ranges(self, name: str, ranges: Sequence[FileRange]) -> None:
         """Writes the next planned tensor as byte ranges of other files, copied by the kernel (as `cp` does)."""
         _, dtype, shape = self._expect(name)
@@ -609,7 +636,7 @@ class SafetensorsWriter(_Writer):
         try:
             if any(r.dtype != dtype for r in ranges) or sum(r.length for r in ranges) != expected:
                 raise ValueError(f"{self.path}: the pieces of {name!r} do not add up to {dtype} {shape}")
-            for chunk in _range_chunks(ranges, bytearray(COPY_BUFFER_BYTES)):
+            for chunk in _range_chunks(ranges):
                 file.write(chunk)
         except BaseException:
             self.abort()

@@ -11,58 +11,16 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from tests.training.tiny_models import llama, mixtral
+from training import checkpoints
 from training.cli import main
 from training.convert import ConvertOptions, convert
 from training.errors import UserError
 from training.layouts import ModelSpec, Parallelism, all_rules
 from training.tensor_reader import lazy_tensors, open_checkpoint_file
-
-
-def llama(
-    directory: Path,
-    *,
-    heads: int = 8,
-    kv_heads: int = 2,
-    layers: int = 2,
-    dtype: torch.dtype = torch.float32,
-    tied: bool = False,
-) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        tie_word_embeddings=tied,
-    )
-    model = LlamaForCausalLM(config).to(dtype)
-    model.save_pretrained(directory)
-    return directory
-
-
-def mixtral(directory: Path, *, layers: int = 4) -> Path:
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    MixtralForCausalLM(config).save_pretrained(directory)
-    return directory
 
 
 def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -104,6 +62,18 @@ def test_llama_hf_to_nxd_to_hf_is_bit_exact(case: str, tmp_path: Path) -> None:
     model_options, convert_options = LLAMA_CASES[case]
     source = llama(tmp_path / "hf", **model_options)
     back = round_trip(source, tmp_path, "nxd", **convert_options)
+    assert_identical(hf_tensors(source), hf_tensors(back))
+
+
+@pytest.mark.parametrize("layout", ["nxd", "nemo"])
+def test_streamed_paths_are_exact_across_many_row_blocks(
+    layout: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row ranges, column shards read in row blocks and column merges written in row blocks, with blocks
+    of a few rows so every block boundary and the double buffering are exercised."""
+    monkeypatch.setattr(checkpoints, "ROW_BLOCK_BYTES", 3 * 32 * 4)
+    source = llama(tmp_path / "hf", heads=8, kv_heads=8, layers=2)
+    back = round_trip(source, tmp_path, layout, tp=2)
     assert_identical(hf_tensors(source), hf_tensors(back))
 
 
