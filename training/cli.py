@@ -83,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--max-shard-size", default="2GB", help="hf output shard size; shards are written in parallel (default: 2GB)"
     )
+
+    train = commands.add_parser("train", help="train with a recipe (launch with torchrun, one process per worker)")
+    train.add_argument("--recipe", required=True, help="recipe YAML file, or the name of a bundled recipe")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. batch.micro=2")
+    train.add_argument(
+        "--resume",
+        choices=("latest",),
+        help="continue from the newest complete checkpoint in checkpoint.dir (a fresh start if there is none)",
+    )
+    train.add_argument(
+        "--compile", action="store_true", help="run exactly 2 steps and save nothing (for neuron_parallel_compile)"
+    )
+    train.add_argument("--metrics", type=Path, help="JSON lines file (default: <checkpoint.dir>/metrics.jsonl)")
     return parser
 
 
@@ -118,6 +131,8 @@ def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
     try:
+        if arguments.command == "train":
+            return _train(arguments)
         manifest = _run(arguments)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -192,4 +207,14 @@ def _convert(arguments: argparse.Namespace) -> dict[str, Any]:
             max_shard_bytes=parse_size(arguments.max_shard_size),
             workers=arguments.workers,
         )
+    )
+
+
+def _train(arguments: argparse.Namespace) -> int:
+    from training.recipe import load_recipe
+    from training.train import run_from_cli
+
+    recipe = load_recipe(arguments.recipe, arguments.overrides)
+    return run_from_cli(
+        recipe, resume=arguments.resume == "latest", compile_only=arguments.compile, metrics=arguments.metrics
     )

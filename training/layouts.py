@@ -235,9 +235,27 @@ def chunk(dim: int, tp: int) -> tuple[Split, Merge]:
     return Chunk(dim, tp), Concatenate(dim)
 
 
+@dataclass(frozen=True)
+class Replicate:
+    """The same tensor on every rank; a class so the training job can tell replicated parameters apart."""
+
+    def __call__(self, sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        return sources[0]
+
+
 def replicate(tp: int) -> tuple[Split, Merge]:
     """The same tensor on every rank (norms, the MoE router in NxD); merge takes rank 0's copy."""
-    return (lambda sources, rank: sources[0], lambda shards: [shards[0]])
+    return (Replicate(), lambda shards: [shards[0]])
+
+
+def replicated_targets(spec: ModelSpec, parallelism: Parallelism, layout: Format) -> set[str]:
+    """Names of the tensors every TP rank holds whole (counted once in a gradient norm)."""
+    return {
+        rule.target
+        for rules in all_rules(spec, parallelism, layout)
+        for rule in rules
+        if isinstance(rule.split, Replicate)
+    }
 
 
 def query_head_order(spec: ModelSpec, parallelism: Parallelism) -> list[list[int]]:

@@ -1,0 +1,74 @@
+"""One rank of the tensor-parallel model tests; run by `torchrun --standalone --nproc_per_node N`.
+
+For every case of a JSON plan: initialise the CPU facade at the case's TP degree, load this rank's file of
+an NxD checkpoint (strict), run one forward and backward on this DP replica's batch, and save what the
+test compares: gathered logits, loss, aux loss, per-parameter gradients, the state dict after loading and
+the state dict of a freshly seeded model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training import parallel
+from training.model import build_model, gather_logits
+
+
+def run_case(case: dict[str, Any], out: Path) -> None:
+    parallel.initialize(case["tp"], "cpu")
+    try:
+        checkpoint = Path(case["checkpoint"])
+        config = json.loads((checkpoint / "config.json").read_text())
+        options = {
+            "kv_multiplier": case.get("kv_multiplier"),
+            "fuse_qkv": bool(case.get("fuse_qkv", False)),
+            "moe_dispatch": case.get("moe_dispatch"),
+            "router_aux_loss": case.get("router_aux_loss"),
+        }
+        tp_rank, dp_rank = parallel.tp_rank(), parallel.dp_rank()
+        rank_file = f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_00.pt"
+        model = build_model(config, seed=None, **options)
+        model.load_state_dict(torch.load(checkpoint / "model" / rank_file, weights_only=True), strict=True)
+        loaded = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+        ids = torch.tensor(case["batches"][dp_rank])
+        labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), parallel.IGNORE_INDEX)], dim=1)
+        output = model(ids, labels)
+        output.loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters(remove_duplicate=False)}
+
+        seeded = build_model(config, seed=case.get("seed", 7), **options)
+        result = {
+            "tp_rank": tp_rank,
+            "dp_rank": dp_rank,
+            "logits": gather_logits(output.logits.detach()),
+            "loss": output.loss.detach(),
+            "aux_loss": None if output.aux_loss is None else output.aux_loss.detach(),
+            "grads": grads,
+            "state_dict": loaded,
+            "seeded_state_dict": seeded.state_dict(),
+        }
+        directory = out / case["name"]
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(result, directory / f"rank_{parallel.world_rank():02d}.pt")
+    finally:
+        parallel.destroy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plan", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for case in json.loads(args.plan.read_text()):
+        run_case(case, args.out)
+
+
+if __name__ == "__main__":
+    main()

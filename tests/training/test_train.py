@@ -1,0 +1,186 @@
+"""`python -m training train` on the CPU backend, launched by torchrun as on the cluster: tiny recipes learn,
+a killed run resumes to bit-identical weights and optimizer state, bad recipes stop with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from training.cli import main
+from training.convert import ConvertOptions, convert
+from training.data import TrainingData
+from training.tiny import build_tiny_world
+from training.train import KILL_AT_STEP
+
+
+@pytest.fixture(scope="module")
+def llama_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_tiny_world(tmp_path_factory.mktemp("tiny-llama"), "llama", tp=2)
+
+
+@pytest.fixture(scope="module")
+def mixtral_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_tiny_world(tmp_path_factory.mktemp("tiny-mixtral"), "mixtral", tp=2)
+
+
+def world_overrides(world: dict[str, Path], checkpoints: Path, *extra: str) -> list[str]:
+    return [
+        f"model.config={world['hf']}",
+        f"model.pretrained={world['pretrained']}",
+        f"data.path={world['data']}",
+        f"checkpoint.dir={checkpoints}",
+        *extra,
+    ]
+
+
+def torchrun(
+    recipe: str, overrides: list[str], *, processes: int, env: dict[str, str] | None = None, resume: bool = False
+) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    command += ["-m", "training", "train", "--recipe", recipe, *overrides] + (["--resume", "latest"] if resume else [])
+    return subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300, check=False
+    )
+
+
+def metrics(checkpoints: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "world_fixture"), [("tiny-llama-cpt", "llama_world"), ("tiny-mixtral-sft", "mixtral_world")]
+)
+def test_tiny_recipe_learns_at_tp2(
+    recipe: str, world_fixture: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    world = request.getfixturevalue(world_fixture)
+    result = torchrun(recipe, world_overrides(world, tmp_path / "ckpt"), processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = metrics(tmp_path / "ckpt")
+    assert [r["step"] for r in records] == list(range(1, 21))
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
+    assert all(r["grad_norm"] > 0 and r["seq_per_second"] > 0 and 0 < r["mfu"] < 1 for r in records)
+    assert "step_loss : " in result.stdout and "learning_rate : " in result.stdout and " seq/s" in result.stdout
+    # The final checkpoint is a complete nxd checkpoint the converter turns back into a transformers model.
+    assert (tmp_path / "ckpt" / "step_20" / "done").is_file()
+    convert(ConvertOptions(source_format="nxd", target_format="hf", input=tmp_path / "ckpt", output=tmp_path / "hf"))
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def test_first_step_loss_is_the_transformers_loss_of_the_pretrained_weights(
+    llama_world: dict[str, Path], tmp_path: Path
+) -> None:
+    """Proves the pretrained weights are loaded and the labels shifted as transformers shifts them."""
+    result = torchrun("tiny-llama-cpt", world_overrides(llama_world, tmp_path / "ckpt", "steps=2"), processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = metrics(tmp_path / "ckpt")[0]["loss"]
+    reference = AutoModelForCausalLM.from_pretrained(llama_world["hf"])
+    data = TrainingData(llama_world["data"], "train", 64)
+    losses = []
+    for start in range(0, 8, 2):  # global batch 8 in micro batches of 2, as the recipe runs it
+        input_ids, _ = data.batch(range(start, start + 2))
+        with torch.no_grad():
+            losses.append(float(reference(input_ids, labels=input_ids).loss))
+    assert logged == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def tensors_of(step_dir: Path) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted((step_dir / "model").glob("*.pt")) + sorted((step_dir / "optim").glob("*.pt")):
+        flat = _flatten(torch.load(file, weights_only=True), f"{file.parent.name}/{file.name}")
+        found.update(flat)
+    return found
+
+
+def _flatten(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}"))
+        return out
+    if isinstance(value, list | tuple):
+        out = {}
+        for index, item in enumerate(value):
+            out.update(_flatten(item, f"{prefix}.{index}"))
+        return out
+    return {prefix: value}
+
+
+@pytest.mark.parametrize(("tp", "processes"), [(2, 2), (1, 2)], ids=["tp2", "tp1-dp2-zero1"])
+def test_killed_run_resumes_to_identical_weights_and_optimizer_state(
+    tp: int, processes: int, llama_world: dict[str, Path], tmp_path: Path
+) -> None:
+    pretrained = llama_world["pretrained"]
+    if tp != 2:
+        pretrained = tmp_path / "pretrained-tp1"
+        convert(
+            ConvertOptions(source_format="hf", target_format="nxd", input=llama_world["hf"], output=pretrained, tp=1)
+        )
+    common = [f"parallelism.tp={tp}", "steps=10", "checkpoint.every=5", f"model.pretrained={pretrained}"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    result = torchrun("tiny-llama-cpt", world_overrides(llama_world, straight, *common), processes=processes)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    killed = torchrun(
+        "tiny-llama-cpt", world_overrides(llama_world, resumed, *common), processes=processes, env={KILL_AT_STEP: "7"}
+    )
+    assert killed.returncode != 0
+    assert (resumed / "step_5" / "done").is_file() and not (resumed / "step_10").exists()
+    # A checkpoint interrupted before its `done` marker (a copy of step 5 without it) must be ignored.
+    shutil.copytree(resumed / "step_5", resumed / "step_7")
+    (resumed / "step_7" / "done").unlink()
+
+    again = torchrun("tiny-llama-cpt", world_overrides(llama_world, resumed, *common), processes=processes, resume=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from step 5" in again.stdout
+    expected, actual = tensors_of(straight / "step_10"), tensors_of(resumed / "step_10")
+    assert expected.keys() == actual.keys() and len(expected) > 10
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, actual[key]), key
+        else:
+            assert value == actual[key], key
+    assert [r["loss"] for r in metrics(straight)][5:] == [r["loss"] for r in metrics(resumed)][-5:]
+
+
+def test_compile_mode_runs_two_steps_and_saves_nothing(llama_world: dict[str, Path], tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "training", "train", "--recipe", "tiny-llama-cpt", "--compile"]
+    # tp 1 from random weights (`model.pretrained=` unsets it): a single process, no torchrun.
+    overrides = world_overrides(llama_world, tmp_path / "ckpt", "parallelism.tp=1", "model.pretrained=")
+    result = subprocess.run(command + overrides, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [
+        json.loads(line)["step"] for line in (tmp_path / "ckpt" / "metrics-compile.jsonl").read_text().splitlines()
+    ] == [1, 2]
+    assert not list((tmp_path / "ckpt").glob("step_*"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("parallelism.tp=3", "parallelism.tp 3: "),
+        ("data.path=/nonexistent/data", "data.path /nonexistent/data: no such directory"),
+        ("batch.micro=3", "batch.micro: 3 does not divide batch.global 8 (allowed: a divisor, e.g. 1, 2, 4, 8)"),
+        ("batch.seq_len=128", "batch.seq_len 128 differs from the data's seq_len 64"),
+        ("optimizer.betas=0.9", "optimizer.betas: expected a list of 2 numbers"),
+        ("batch.global=6", "parallelism.tp 2 does not divide the 1 launched processes"),
+    ],
+)
+def test_bad_recipe_fails_at_start_with_one_line(
+    override: str, message: str, llama_world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["train", "--recipe", "tiny-llama-cpt", *world_overrides(llama_world, tmp_path / "ckpt"), override]
+    assert main(args) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and error.startswith("error: ") and message in error, error
+    assert not (tmp_path / "ckpt").exists()

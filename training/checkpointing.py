@@ -1,0 +1,185 @@
+"""Training checkpoints in neuronx-distributed's layout, so `convert --from nxd` reads them directly.
+
+    <dir>/step_<N>/model/dp_rank_00_tp_rank_XX_pp_rank_00.pt   weights (the nxd layout of training.layouts)
+    <dir>/step_<N>/optim/dp_rank_DD_tp_rank_XX_pp_rank_00.pt   each rank's optimizer state (ZeRO-1 shard)
+    <dir>/step_<N>/scheduler.pt, user_content.pt               schedule; step and data position
+    <dir>/step_<N>/rng/rank_WWWWW.pt                            every rank's random generators
+    <dir>/step_<N>/done                                         written last: the checkpoint is complete
+
+On Neuron, neuronx-distributed's own `save_checkpoint` / `load_checkpoint` write and read the same tree
+(with xser files when asked); the CPU backend writes it here. Pretrained weights are read with the
+converter's readers on both backends, so there is one reader of the layout.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from training import parallel
+from training.checkpoints import STEP_DIR, ShardedSource, nxd_rank_file
+from training.errors import UserError
+from training.model import CausalLM
+from training.optimizer import TrainingOptimizer
+from training.tensor_reader import CheckpointError
+
+DONE = "done"
+
+
+def step_directory(directory: Path, step: int) -> Path:
+    return directory / f"step_{step}"
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """Steps with a `done` marker, ascending; a checkpoint interrupted before `done` is not one of them."""
+    if not directory.is_dir():
+        return []
+    found = (STEP_DIR.match(p.name) for p in directory.iterdir() if (p / DONE).is_file())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def latest_complete_step(directory: Path) -> int | None:
+    steps = complete_steps(directory)
+    return steps[-1] if steps else None
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and parallel.world_size() > 1:
+        dist.barrier()
+
+
+def _save_atomically(value: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    torch.save(value, partial)
+    partial.replace(path)
+
+
+def save_checkpoint(
+    directory: Path,
+    step: int,
+    model: CausalLM,
+    optimizer: TrainingOptimizer,
+    user_content: dict[str, Any],
+    *,
+    keep_last: int,
+    xser: bool,
+) -> Path:
+    """Every rank writes its part; rank 0 writes `done` once all have, then prunes old checkpoints."""
+    target = step_directory(directory, step)
+    if parallel.backend() == "neuron":
+        from neuronx_distributed.trainer import save_checkpoint as nxd_save
+
+        nxd_save(
+            str(directory),
+            tag=target.name,
+            model=model,
+            optimizer=optimizer.inner,
+            scheduler=optimizer.scheduler,
+            user_content=user_content,
+            use_xser=xser,
+            num_kept_ckpts=keep_last,
+            zero1_optimizer=optimizer.settings.zero1,
+        )
+        return target
+    rank, tp, dp = parallel.world_rank(), parallel.tp_rank(), parallel.dp_rank()
+    if rank == 0 and target.exists():
+        shutil.rmtree(target)  # left by a run killed while saving this step: never marked done
+    _barrier()
+    if dp == 0:
+        _save_atomically(model.state_dict(), nxd_rank_file(target, tp, 0))
+    _save_atomically(optimizer.state_dict(), target / "optim" / f"dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_00.pt")
+    _save_atomically(_rng_state(), target / "rng" / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        _save_atomically(optimizer.scheduler.state_dict(), target / "scheduler.pt")
+        _save_atomically(user_content, target / "user_content.pt")
+    _barrier()
+    if rank == 0:
+        (target / DONE).write_text("1\n")
+        (directory / "newest").write_text(f"{target.name}\n")
+        prune(directory, keep_last)
+    _barrier()
+    return target
+
+
+def prune(directory: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` complete checkpoints; drop older ones and any unfinished older than them."""
+    complete = complete_steps(directory)
+    if not complete:
+        return
+    kept = set(complete[-keep_last:])
+    for path in directory.iterdir():
+        match = STEP_DIR.match(path.name)
+        if match and int(match.group(1)) not in kept and int(match.group(1)) < complete[-1]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_checkpoint(directory: Path, step: int, model: CausalLM, optimizer: TrainingOptimizer) -> dict[str, Any]:
+    """Restores weights, optimizer, schedule and this rank's RNG; returns the user content (step, data position)."""
+    target = step_directory(directory, step)
+    if parallel.backend() == "neuron":
+        from neuronx_distributed.trainer import load_checkpoint as nxd_load
+
+        content = nxd_load(
+            str(directory), tag=target.name, model=model, optimizer=optimizer.inner, scheduler=optimizer.scheduler
+        )
+        return dict(content or {})
+    tp, dp, rank = parallel.tp_rank(), parallel.dp_rank(), parallel.world_rank()
+    model.load_state_dict(torch.load(nxd_rank_file(target, tp, 0), weights_only=True))
+    optim_file = target / "optim" / f"dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_00.pt"
+    optimizer.load_state_dict(torch.load(optim_file, weights_only=True))
+    optimizer.scheduler.load_state_dict(torch.load(target / "scheduler.pt", weights_only=True))
+    rng_file = target / "rng" / f"rank_{rank:05d}.pt"
+    if rng_file.is_file():
+        _restore_rng(torch.load(rng_file, weights_only=False))
+    return dict(torch.load(target / "user_content.pt", weights_only=True))
+
+
+def load_pretrained(directory: Path, config_path: Path, model: CausalLM) -> None:
+    """This rank's shard of a `convert --to nxd` output (plain or xser), checked against the model's layout."""
+    try:
+        source = ShardedSource("nxd", directory, config_path, force=False)
+    except CheckpointError as error:
+        raise UserError(f"model.pretrained {directory}: {error}") from None
+    wanted, found = model.parallelism, source.parallelism
+    describe = "tp {0.tp}, pp {0.pp}, kv_size_multiplier {0.kv_multiplier}, fuse_qkv {0.fuse_qkv}".format
+    if (found.tp, found.pp, found.kv_multiplier, found.fuse_qkv) != (
+        wanted.tp,
+        1,
+        wanted.kv_multiplier,
+        wanted.fuse_qkv,
+    ):
+        raise UserError(
+            f"model.pretrained {directory}: written for {describe(found)}; the recipe trains at {describe(wanted)}: "
+            "convert again with those options"
+        )
+    tensors = source.ranks[(parallel.tp_rank(), 0)]
+    state = model.state_dict()
+    missing = set(state) - set(tensors)
+    if missing:
+        raise UserError(f"model.pretrained {directory}: lacks {', '.join(sorted(missing)[:3])}")
+    with torch.no_grad():
+        for name, parameter in state.items():
+            loaded = tensors[name].load()
+            if tuple(loaded.shape) != tuple(parameter.shape):
+                raise UserError(
+                    f"model.pretrained {directory}: {name} is {tuple(loaded.shape)}, the model needs "
+                    f"{tuple(parameter.shape)} (a checkpoint of another model?)"
+                )
+            parameter.copy_(loaded.to(parameter.dtype))
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])

@@ -1,0 +1,92 @@
+"""Reading what `prepare` wrote, in an order that depends only on the step, so a resumed run continues
+exactly where it stopped (the reference restarts its data from sample 0).
+
+Sample k of the run is block `k % len(dataset)`: the global batch of step s is samples
+[s * G, (s + 1) * G); data-parallel rank d takes the d-th contiguous slice of it, in micro batches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from training.errors import UserError
+from training.outputs import MANIFEST
+from training.parallel import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch is cut: `accumulation` micro batches of `micro` samples on each of `dp` ranks."""
+
+    global_batch: int
+    micro: int
+    dp: int
+
+    @property
+    def accumulation(self) -> int:
+        return self.global_batch // (self.micro * self.dp)
+
+    def check(self) -> None:
+        if self.global_batch % (self.micro * self.dp):
+            raise UserError(
+                f"batch.global {self.global_batch} is not a multiple of batch.micro {self.micro} x data-parallel "
+                f"ranks {self.dp} (= {self.micro * self.dp}); change batch.global or batch.micro"
+            )
+
+    def sample_indices(self, step: int, dp_rank: int, micro_step: int) -> range:
+        """Run-wide sample numbers of one micro batch (0-based step)."""
+        start = step * self.global_batch + dp_rank * (self.global_batch // self.dp) + micro_step * self.micro
+        return range(start, start + self.micro)
+
+
+class TrainingData:
+    """The blocks of one split of a `prepare` output, as (input_ids, targets) tensors."""
+
+    def __init__(self, path: Path, split: str, seq_len: int) -> None:
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            raise UserError(f"data.path {path}: no {MANIFEST}; run `python -m training prepare` first")
+        manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+        self.kind = manifest.get("kind")
+        if self.kind not in ("pretrain", "sft"):
+            raise UserError(f"data.path {path}: {MANIFEST} is a {self.kind!r} output, not prepare pretrain/sft")
+        if manifest.get("seq_len") != seq_len:
+            raise UserError(
+                f"batch.seq_len {seq_len} differs from the data's seq_len {manifest.get('seq_len')} ({path}); "
+                "set batch.seq_len to it or prepare the data again"
+            )
+        import datasets
+
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise UserError(f"data.split {split!r} is not in {path} (allowed: {', '.join(loaded)})")
+            loaded = loaded[split]
+        self.dataset = loaded.with_format("numpy")
+        self.has_labels = "labels" in self.dataset.column_names
+        if len(self.dataset) == 0:
+            raise UserError(f"data.path {path}: the {split} split has no blocks")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batch(self, samples: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [n, S] and targets [n, S]: targets[t] is the token to predict at t (-100: none)."""
+        rows = [index % len(self.dataset) for index in samples]
+        columns = self.dataset[rows]
+        input_ids = torch.from_numpy(np.asarray(columns["input_ids"], dtype=np.int64))
+        labels = torch.from_numpy(np.asarray(columns["labels"], dtype=np.int64)) if self.has_labels else input_ids
+        return input_ids, shift_labels(labels)
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face labels (aligned with the inputs) to next-token targets; the last position has none."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    return targets

@@ -1,0 +1,469 @@
+"""Llama 3.x and Mixtral, written once against `training.parallel`, parameters held in the NxD layout.
+
+The per-rank `state_dict()` is exactly what `training.layouts` defines for "nxd" (`all_rules(spec,
+Parallelism(tp, kv_multiplier, fuse_qkv), "nxd")`): a rank file written by `python -m training convert --to
+nxd` loads with `load_state_dict(strict=True)`, and a state dict saved per rank converts back to Hugging
+Face. The numerics follow transformers' LlamaForCausalLM / MixtralForCausalLM: RMSNorm in fp32, RoPE
+(incl. Llama 3.1's "llama3" scaling), grouped-query causal attention, SiLU-gated MLP, and for Mixtral a
+top-k router (softmax, top-k, renormalise) with the load-balancing auxiliary loss.
+
+Batches are packed blocks: causal attention over the whole sequence, positions 0..S-1, no padding mask.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training import parallel
+from training.errors import UserError
+from training.layouts import ModelSpec, Parallelism, all_rules, check_parallelism, default_kv_multiplier, hf_shapes
+
+MoeDispatch = Literal["sparse", "dense"]
+ROPE_TYPES = ("default", "llama3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_ROPE_THETA = {"llama": 10000.0, "mixtral": 1e6}
+
+
+@dataclass(frozen=True)
+class Rope:
+    theta: float
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The facts of a Hugging Face `config.json` the model needs, checked once."""
+
+    spec: ModelSpec
+    rms_norm_eps: float
+    rope: Rope
+    initializer_range: float
+    pad_token_id: int | None
+    experts_per_token: int
+    router_aux_loss_coef: float
+    output_router_logits: bool
+    sliding_window: int | None
+    dtype: torch.dtype
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any], dtype: torch.dtype | str | None = None) -> ModelConfig:
+        spec = ModelSpec.from_config(config)
+        if config.get("hidden_act", "silu") != "silu":
+            raise UserError(f"config.json: hidden_act {config['hidden_act']!r} is not supported; allowed: silu")
+        for flag in ("attention_bias", "mlp_bias"):
+            if config.get(flag):
+                raise UserError(f"config.json: {flag} true is not supported (the NxD layout has no biases)")
+        return cls(
+            spec=spec,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if spec.architecture == "llama" else 1e-5)),
+            rope=_rope(config, spec),
+            initializer_range=float(config.get("initializer_range", 0.02)),
+            pad_token_id=config.get("pad_token_id"),
+            experts_per_token=int(config.get("num_experts_per_tok", 2)),
+            router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+            output_router_logits=bool(config.get("output_router_logits", False)),
+            sliding_window=config.get("sliding_window"),
+            dtype=_dtype(dtype if dtype is not None else config.get("dtype") or config.get("torch_dtype")),
+        )
+
+
+def _dtype(value: torch.dtype | str | None) -> torch.dtype:
+    if value is None:
+        return torch.float32
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in DTYPES:
+        raise UserError(f"dtype {value!r} is not supported; allowed: {', '.join(DTYPES)}")
+    return DTYPES[value]
+
+
+def _rope(config: dict[str, Any], spec: ModelSpec) -> Rope:
+    """RoPE settings from transformers 5's `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
+    parameters = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise UserError(f"config.json: rope_type {kind!r} is not supported; allowed: {', '.join(ROPE_TYPES)}")
+    theta = float(parameters.get("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA[spec.architecture])))
+    if kind == "default":
+        return Rope(theta=theta)
+    return Rope(
+        theta=theta,
+        type=kind,
+        factor=float(parameters["factor"]),
+        low_freq_factor=float(parameters["low_freq_factor"]),
+        high_freq_factor=float(parameters["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            parameters.get("original_max_position_embeddings", config.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+def inverse_frequencies(rope: Rope, head_dim: int) -> torch.Tensor:
+    """RoPE frequencies (fp32); "llama3" divides the low frequencies by `factor` and blends the middle band."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    frequencies = 1.0 / (rope.theta**exponents)
+    if rope.type == "default":
+        return frequencies
+    old_context = rope.original_max_position_embeddings
+    low_wavelength = old_context / rope.low_freq_factor  # longer waves than this are scaled down fully
+    high_wavelength = old_context / rope.high_freq_factor  # shorter waves than this are kept
+    wavelength = 2 * math.pi / frequencies
+    scaled = torch.where(wavelength > low_wavelength, frequencies / rope.factor, frequencies)
+    smooth = (old_context / wavelength - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    middle = ~(wavelength < high_wavelength) * ~(wavelength > low_wavelength)
+    return torch.where(middle, blended, scaled)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalised in fp32, scaled in the input dtype (what transformers does, so bf16 rounding matches).
+        x32 = x.float()
+        normalised = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normalised.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; each rank's query heads use its own (possibly replicated) KV heads."""
+
+    def __init__(self, config: ModelConfig, parallelism: Parallelism) -> None:
+        super().__init__()
+        spec, tp = config.spec, parallelism.tp
+        self.head_dim = spec.head_dim
+        self.heads = spec.num_heads // tp
+        self.kv_heads = spec.num_kv_heads * parallelism.kv_multiplier // tp
+        self.sliding_window = config.sliding_window
+        self.qkv_proj = parallel.GQAQKVColumnParallelLinear(
+            spec.hidden_size,
+            [spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim],
+            bias=False,
+            gather_output=False,
+            dtype=config.dtype,
+            kv_size_multiplier=parallelism.kv_multiplier,
+            fuse_qkv=parallelism.fuse_qkv,
+        )
+        self.o_proj = parallel.RowParallelLinear(
+            spec.num_heads * spec.head_dim, spec.hidden_size, bias=False, input_is_parallel=True, dtype=config.dtype
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv_proj(x)
+        q = q.view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        group = self.heads // self.kv_heads  # local query heads come in consecutive groups per KV head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        mask = None
+        if self.sliding_window is not None and self.sliding_window < length:
+            distance = torch.arange(length, device=x.device)[:, None] - torch.arange(length, device=x.device)
+            mask = (distance >= 0) & (distance < self.sliding_window)
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5
+        )
+        output: torch.Tensor = self.o_proj(context.transpose(1, 2).reshape(batch, length, -1))
+        return output
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP; `gate_up_proj` holds this rank's gate rows then its up rows."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.spec.hidden_size, config.spec.intermediate_size
+        self.gate_up_proj = parallel.ColumnParallelLinear(
+            h, 2 * i, bias=False, gather_output=False, dtype=config.dtype, stride=2
+        )
+        self.down_proj = parallel.RowParallelLinear(i, h, bias=False, input_is_parallel=True, dtype=config.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        output: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return output
+
+
+class _Weight(nn.Module):
+    """One stacked expert weight, registered under the module path neuronx-distributed gives it."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype).normal_(std=0.02))
+
+
+class _ExpertWeights(nn.Module):
+    def __init__(self, config: ModelConfig, tp: int) -> None:
+        super().__init__()
+        e, h, part = config.spec.num_experts, config.spec.hidden_size, config.spec.intermediate_size // tp
+        self.gate_up_proj = _Weight((e, h, 2 * part), config.dtype)  # [gate | up] columns of this rank
+        self.down_proj = _Weight((e, part, h), config.dtype)
+
+
+class _ExpertMLPs(nn.Module):
+    def __init__(self, config: ModelConfig, tp: int) -> None:
+        super().__init__()
+        self.mlp_op = _ExpertWeights(config, tp)
+
+
+class _Router(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        spec = config.spec
+        self.linear_router = nn.Linear(spec.hidden_size, spec.num_experts, bias=False, dtype=config.dtype)
+
+
+class MoE(nn.Module):
+    """Mixtral's sparse MoE: softmax over the router logits, top-k, renormalised, weighted sum of experts.
+
+    The router is replicated; each rank holds I/tp columns of every expert and the partial outputs are
+    summed over TP. The routing weights enter the TP region like activations do, so the router's gradient
+    is complete on every rank. `dispatch`: "sparse" runs each expert on its tokens only (dynamic shapes);
+    "dense" runs every expert on every token with zero weight where not chosen (static shapes for XLA,
+    E/k times the expert FLOPs). Both compute the same function.
+    """
+
+    def __init__(self, config: ModelConfig, tp: int, dispatch: MoeDispatch) -> None:
+        super().__init__()
+        self.top_k, self.dispatch = config.experts_per_token, dispatch
+        self.router = _Router(config)
+        self.expert_mlps = _ExpertMLPs(config, tp)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the output and the router logits ([tokens, E], for the auxiliary loss)."""
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits = self.router.linear_router(tokens)
+        top_weights, top_experts = F.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        local = parallel.copy_to_tensor_model_parallel_region(tokens)
+        weights = parallel.copy_to_tensor_model_parallel_region(top_weights)
+        experts = self.expert_mlps.mlp_op
+        gate_up, down = experts.gate_up_proj.weight, experts.down_proj.weight
+        if self.dispatch == "dense":
+            dense = torch.zeros_like(logits, dtype=weights.dtype).scatter(1, top_experts, weights)
+            gate, up = torch.einsum("th,ehf->etf", local, gate_up).chunk(2, dim=-1)
+            outputs = torch.einsum("etf,efh->eth", F.silu(gate) * up, down)
+            partial = torch.einsum("te,eth->th", dense, outputs.to(dense.dtype)).to(x.dtype)
+        else:
+            partial = torch.zeros_like(local)
+            for expert in range(gate_up.shape[0]):
+                token, slot = torch.where(top_experts == expert)
+                if token.numel() == 0:
+                    continue
+                gate, up = (local[token] @ gate_up[expert]).chunk(2, dim=-1)
+                output = (F.silu(gate) * up) @ down[expert]
+                partial.index_add_(0, token, (output * weights[token, slot, None]).to(partial.dtype))
+        return parallel.reduce_from_tensor_model_parallel_region(partial).view(shape), logits
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-Transformer balance loss over all layers' tokens, as transformers' Mixtral computes it:
+    E * sum_e (fraction of top-k choices going to e) * (mean router probability of e)."""
+    chosen = torch.zeros(num_experts, device=router_logits[0].device)
+    probability = torch.zeros(num_experts, device=router_logits[0].device)
+    rows = 0
+    for logits in router_logits:
+        probabilities = F.softmax(logits, dim=-1)
+        picks = probabilities.topk(top_k, dim=-1).indices
+        chosen = chosen + F.one_hot(picks, num_experts).sum(dim=(0, 1)).float()
+        probability = probability + probabilities.float().sum(dim=0)
+        rows += logits.shape[0]
+    return num_experts * torch.sum((chosen / rows) * (probability / rows))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, parallelism: Parallelism, dispatch: MoeDispatch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.spec.hidden_size, config.rms_norm_eps, config.dtype)
+        self.self_attn = Attention(config, parallelism)
+        self.post_attention_layernorm = RMSNorm(config.spec.hidden_size, config.rms_norm_eps, config.dtype)
+        self.mlp: nn.Module = (
+            MoE(config, parallelism.tp, dispatch) if config.spec.architecture == "mixtral" else MLP(config)
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        output = self.mlp(self.post_attention_layernorm(x))
+        if isinstance(output, tuple):
+            return x + output[0], output[1]
+        return x + output, None
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig, parallelism: Parallelism, dispatch: MoeDispatch) -> None:
+        super().__init__()
+        spec = config.spec
+        self.embed_tokens = parallel.ParallelEmbedding(
+            spec.vocab_size, spec.hidden_size, padding_idx=config.pad_token_id, dtype=config.dtype
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, parallelism, dispatch) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, config.rms_norm_eps, config.dtype)
+        frequencies = inverse_frequencies(config.rope, spec.head_dim)
+        self.rope_frequencies: torch.Tensor
+        self.register_buffer("rope_frequencies", frequencies, persistent=False)  # not part of the layout
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = self.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device, dtype=torch.float32)
+        angles = positions[:, None] * self.rope_frequencies.float()[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        router_logits = []
+        for layer in self.layers:
+            x, logits = layer(x, cos, sin)
+            if logits is not None:
+                router_logits.append(logits)
+        return self.norm(x), router_logits
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # fp32, this rank's vocabulary slice [B, S, V/tp]
+    loss: torch.Tensor | None  # mean over labelled tokens (+ aux_loss when present)
+    aux_loss: torch.Tensor | None  # router load-balancing loss, already times router_aux_loss_coef
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self, config: ModelConfig, parallelism: Parallelism, *, dispatch: MoeDispatch, router_aux_loss: bool
+    ) -> None:
+        super().__init__()
+        self.config, self.parallelism, self.router_aux_loss = config, parallelism, router_aux_loss
+        spec = config.spec
+        self.model = Decoder(config, parallelism, dispatch)
+        self.lm_head = parallel.ColumnParallelLinear(
+            spec.hidden_size, spec.vocab_size, bias=False, gather_output=False, dtype=config.dtype
+        )
+        if spec.tie_word_embeddings:
+            # Both are split on the vocabulary rows the same way, so each rank can share its shard.
+            self.lm_head.weight = self.model.embed_tokens.weight
+        expected = {rule.target for rules in all_rules(spec, parallelism, "nxd") for rule in rules}
+        if set(self.state_dict()) != expected:
+            raise AssertionError(f"model parameters differ from the nxd layout: {set(self.state_dict()) ^ expected}")
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.config.spec
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
+        """`labels[t]` is the target of position t (already shifted); -100 marks positions without one."""
+        hidden, router_logits = self.model(input_ids)
+        logits = self.lm_head(hidden).float()
+        aux_loss = None
+        if router_logits and self.router_aux_loss:
+            balance = load_balancing_loss(router_logits, self.spec.num_experts, self.config.experts_per_token)
+            aux_loss = self.config.router_aux_loss_coef * balance
+        loss = None
+        if labels is not None:
+            losses = parallel.parallel_cross_entropy(logits, labels)
+            loss = losses.sum() / (labels != parallel.IGNORE_INDEX).sum().clamp_min(1)
+            if aux_loss is not None:
+                loss = loss + aux_loss
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss)
+
+
+def gather_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits on every TP rank (for tests and sampling)."""
+    return parallel.gather_from_tensor_model_parallel_region(logits)
+
+
+def build_model(
+    config: dict[str, Any],
+    *,
+    kv_multiplier: int | None = None,
+    fuse_qkv: bool = False,
+    dtype: torch.dtype | str | None = None,
+    seed: int | None = 0,
+    moe_dispatch: MoeDispatch | None = None,
+    router_aux_loss: bool | None = None,
+) -> CausalLM:
+    """The model for this rank, on `parallel.device()`; the TP degree is the initialized facade's.
+
+    kv_multiplier: K/V replication of the GQA layer (default: the smallest that fits, as the converter's).
+    fuse_qkv: one `weight_qkv` per layer instead of `weight_q/k/v`; must match the checkpoint.
+    dtype: parameter dtype (default: the config's `dtype`/`torch_dtype`, else fp32).
+    seed: initialise deterministically (see `initialize_weights`); None leaves weights for `load_state_dict`.
+    moe_dispatch: "sparse" (default on CPU) or "dense" (default on Neuron: static shapes).
+    router_aux_loss: add Mixtral's load-balancing loss (default: the config's `output_router_logits`).
+    """
+    model_config = ModelConfig.from_hf(config, dtype)
+    spec, tp = model_config.spec, parallel.tp_size()
+    parallelism = Parallelism(tp=tp, kv_multiplier=kv_multiplier or default_kv_multiplier(spec, tp), fuse_qkv=fuse_qkv)
+    check_parallelism(spec, parallelism, "nxd")
+    dispatch: MoeDispatch = moe_dispatch or ("dense" if parallel.backend() == "neuron" else "sparse")
+    aux = model_config.output_router_logits if router_aux_loss is None else router_aux_loss
+    model = CausalLM(model_config, parallelism, dispatch=dispatch, router_aux_loss=aux)
+    if seed is not None:
+        initialize_weights(model, seed)
+    return model.to(parallel.device())
+
+
+def initial_tensor(name: str, shape: Sequence[int], seed: int, std: float) -> torch.Tensor:
+    """The full Hugging Face tensor `name` at initialisation: ones for norms, else N(0, std) seeded by name."""
+    if name.endswith("norm.weight"):
+        return torch.ones(tuple(shape))
+    generator = torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+    return torch.empty(tuple(shape)).normal_(0.0, std, generator=generator)
+
+
+def initialize_weights(model: CausalLM, seed: int) -> None:
+    """Each parameter := this rank's shard (by the layout's split rules) of a full tensor seeded by its HF name.
+
+    So a model starts from the same weights whatever its TP degree, KV replication or QKV fusion. Each
+    full tensor exists only while its rule is applied.
+    """
+    spec, rank = model.spec, parallel.tp_rank()
+    shapes = hf_shapes(spec)
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    padding = model.config.pad_token_id
+    with torch.no_grad():
+        for rules in all_rules(spec, model.parallelism, "nxd"):
+            for rule in rules:
+                sources = [initial_tensor(n, shapes[n], seed, model.config.initializer_range) for n in rule.sources]
+                if padding is not None and rule.sources == ("model.embed_tokens.weight",):
+                    sources[0][padding] = 0  # as transformers initialises nn.Embedding(padding_idx=...)
+                parameters[rule.target].copy_(rule.split(sources, rank))
+
+
+def model_flops_per_token(config: dict[str, Any], seq_len: int) -> float:
+    """Training FLOPs per token for MFU: 6 * N_active + 12 * L * (heads * head_dim) * seq_len.
+
+    N_active counts the weights a token multiplies by: attention (q, k, v, o), the MLP (Mixtral: the router
+    and top-k of the E experts) and the LM head; not the embedding lookup or norms. The second term is
+    the attention scores and weighted sum (2 matmuls, 2 FLOPs per multiply-add, x3 for forward + backward)
+    over the full sequence, the causal half not discounted (the PaLM convention).
+    """
+    model_config = ModelConfig.from_hf(config)
+    spec = model_config.spec
+    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    attention = h * d * (2 * spec.num_heads + 2 * spec.num_kv_heads)
+    if spec.architecture == "mixtral":
+        mlp = h * spec.num_experts + model_config.experts_per_token * 3 * h * i
+    else:
+        mlp = 3 * h * i
+    active = spec.num_layers * (attention + mlp) + spec.vocab_size * h
+    return float(6 * active + 12 * spec.num_layers * spec.num_heads * d * seq_len)

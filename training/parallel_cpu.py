@@ -1,0 +1,452 @@
+"""CPU backend of `training.parallel`: torch.distributed on gloo, the collectives as autograd functions.
+
+Each layer computes what its neuronx-distributed namesake computes, forward and backward, so a model
+sharded over N gloo processes gives the single-process logits and, merged with the layout's rules, the
+single-process gradients. This is the backend the tests exercise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store
+from torch.autograd.function import FunctionCtx
+from torch.distributed import ProcessGroup
+from torch.distributed.rendezvous import rendezvous
+
+from training.errors import UserError
+
+
+@dataclass
+class _State:
+    tp: int
+    tp_group: ProcessGroup
+    dp_group: ProcessGroup
+    owns_world: bool
+    kv_groups: dict[int, ProcessGroup] = field(default_factory=dict)
+
+
+_state: _State | None = None
+_generation = 0
+_store: tuple[Store, int, int] | None = None
+
+
+def _launcher_store() -> tuple[Store, int, int]:
+    """torchrun's key-value store (env:// from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), opened once."""
+    global _store
+    if _store is None:
+        _store = next(rendezvous("env://"))
+    return _store
+
+
+def initialize(tp: int) -> None:
+    """gloo over env:// under torchrun (RANK, WORLD_SIZE, MASTER_ADDR), else a one-process world."""
+    global _state, _generation
+    owns_world = not dist.is_initialized()
+    if owns_world:
+        _generation += 1
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            store, rank, world = _launcher_store()
+            # A fresh key prefix per initialisation: a process may initialise again after destroy()
+            # (the tests run several TP degrees in one torchrun), and old rendezvous keys must not be reused.
+            prefixed = PrefixStore(f"training.parallel.{_generation}", store)
+            dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world)
+        else:
+            store = HashStore()
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    world = dist.get_world_size()
+    if tp < 1 or world % tp:
+        if owns_world:
+            dist.destroy_process_group()
+        raise UserError(f"tensor-parallel degree {tp} must divide the number of processes ({world})")
+    # [DP, TP] row-major, as neuronx-distributed arranges ranks: TP groups are consecutive ranks.
+    tp_group = _own_group([list(range(start, start + tp)) for start in range(0, world, tp)])
+    dp_group = _own_group([list(range(rank, world, tp)) for rank in range(tp)])
+    _state = _State(tp=tp, tp_group=tp_group, dp_group=dp_group, owns_world=owns_world)
+
+
+def _own_group(partition: list[list[int]]) -> ProcessGroup:
+    """Create every group of a partition of the ranks (a collective call); return this rank's."""
+    mine: ProcessGroup | None = None
+    for ranks in partition:
+        group: ProcessGroup = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    assert mine is not None, f"rank {dist.get_rank()} is in none of {partition}"
+    return mine
+
+
+def destroy() -> None:
+    global _state
+    if _state is None:
+        return
+    if _state.owns_world:
+        dist.destroy_process_group()
+    else:
+        for group in {_state.tp_group, _state.dp_group, *_state.kv_groups.values()}:
+            dist.destroy_process_group(group)
+    _state = None
+
+
+def _get() -> _State:
+    if _state is None:
+        raise RuntimeError("the CPU parallel backend is not initialized")
+    return _state
+
+
+def world_rank() -> int:
+    return dist.get_rank()
+
+
+def world_size() -> int:
+    return dist.get_world_size()
+
+
+def tp_rank() -> int:
+    return dist.get_rank() % _get().tp
+
+
+def tp_size() -> int:
+    return _get().tp
+
+
+def tp_group() -> ProcessGroup:
+    return _get().tp_group
+
+
+def dp_rank() -> int:
+    return dist.get_rank() // _get().tp
+
+
+def dp_size() -> int:
+    return dist.get_world_size() // _get().tp
+
+
+def dp_group() -> ProcessGroup:
+    return _get().dp_group
+
+
+def device() -> torch.device:
+    return torch.device("cpu")
+
+
+def mark_step() -> None:
+    """Eager execution: nothing to cut."""
+
+
+def kv_shared_group(multiplier: int) -> ProcessGroup:
+    """The TP ranks holding the same KV heads when K/V are repeated `multiplier` times: r, r + tp/m, ...
+
+    Created on first use; every rank builds the same layers in the same order, so creation stays collective.
+    """
+    state = _get()
+    if multiplier not in state.kv_groups:
+        stride, world = state.tp // multiplier, dist.get_world_size()
+        groups = [
+            [start + offset + i * stride for i in range(multiplier)]
+            for start in range(0, world, state.tp)
+            for offset in range(stride)
+        ]
+        state.kv_groups[multiplier] = _own_group(groups)
+    return state.kv_groups[multiplier]
+
+
+# --- autograd collectives ----------------------------------------------------------------------------------
+
+
+def _all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    result = tensor.clone()
+    dist.all_reduce(result, op=op, group=group)
+    return result
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return _all_reduce(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _gather_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _own_slice(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return tensor.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return _gather_last_dim(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _own_slice(grad, ctx.group), None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return _own_slice(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_last_dim(grad, ctx.group), None
+
+
+class _SumGradients(torch.autograd.Function):
+    """Identity forward; the gradient summed over `group` (the ranks sharing a replicated K/V head)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _apply(function: type[torch.autograd.Function], tensor: torch.Tensor, argument: Any) -> torch.Tensor:
+    result: torch.Tensor = function.apply(tensor, argument)  # type: ignore[no-untyped-call]
+    return result
+
+
+def copy_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    state = _get()
+    return tensor if state.tp == 1 else _apply(_CopyToRegion, tensor, state.tp_group)
+
+
+def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    state = _get()
+    return tensor if state.tp == 1 else _apply(_ReduceFromRegion, tensor, state.tp_group)
+
+
+def gather_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    state = _get()
+    return tensor if state.tp == 1 else _apply(_GatherFromRegion, tensor, state.tp_group)
+
+
+def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+    state = _get()
+    return tensor if state.tp == 1 else _apply(_ScatterToRegion, tensor, state.tp_group)
+
+
+# --- layers --------------------------------------------------------------------------------------------
+
+
+def _divide(size: int, parts: int, what: str) -> int:
+    if size % parts:
+        raise ValueError(f"{what} {size} is not divisible by the tensor-parallel degree {parts}")
+    return size // parts
+
+
+def _uniform(shape: tuple[int, ...], fan_in: int, dtype: torch.dtype) -> nn.Parameter:
+    """torch.nn.Linear's default initialisation, with the fan-in of the whole (unsharded) matrix."""
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    return nn.Parameter(torch.empty(shape, dtype=dtype).uniform_(-bound, bound))
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = True,
+        dtype: torch.dtype = torch.float32,
+        stride: int = 1,
+    ) -> None:
+        super().__init__()
+        del stride  # shapes neuronx-distributed's random initialisation only
+        tp = tp_size()
+        self.input_size, self.output_size, self.gather_output = input_size, output_size, gather_output
+        per_rank = _divide(output_size, tp, "output size")
+        self.weight = _uniform((per_rank, input_size), input_size, dtype)
+        self.bias = _uniform((output_size if gather_output else per_rank,), input_size, dtype) if bias else None
+
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        output = F.linear(copy_to_tensor_model_parallel_region(tensor), self.weight)
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output)
+        return output + self.bias if self.bias is not None else output
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
+        self.weight = _uniform((output_size, _divide(input_size, tp_size(), "input size")), input_size, dtype)
+        self.bias = _uniform((output_size,), input_size, dtype) if bias else None
+
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            tensor = scatter_to_tensor_model_parallel_region(tensor)
+        output = reduce_from_tensor_model_parallel_region(F.linear(tensor, self.weight))
+        return output + self.bias if self.bias is not None else output
+
+
+class ParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        per_rank = _divide(num_embeddings, tp_size(), "vocabulary size")
+        self.start, self.end = tp_rank() * per_rank, (tp_rank() + 1) * per_rank
+        # The padding row (no gradient, as in torch.nn.Embedding) lives on the rank whose rows include it.
+        in_range = padding_idx is not None and self.start <= padding_idx < self.end
+        self.padding_idx = padding_idx - self.start if in_range and padding_idx is not None else None
+        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, dtype=dtype).normal_())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        mine = (ids >= self.start) & (ids < self.end)
+        rows = F.embedding((ids - self.start) * mine, self.weight, self.padding_idx)
+        return reduce_from_tensor_model_parallel_region(rows * mine.unsqueeze(-1).to(rows.dtype))
+
+
+class GQAQKVColumnParallelLinear(nn.Module):
+    """Q/K/V with K and V repeated `kv_size_multiplier` times before the split, as neuronx-distributed does.
+
+    Backward, as there: the K/V output gradients are first summed over the ranks holding the same head, so
+    every replica's weight gradient is the head's complete gradient; their input gradients are divided by
+    the multiplier so the TP all-reduce counts each head once.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        gather_output: bool = True,
+        dtype: torch.dtype = torch.float32,
+        kv_size_multiplier: int = 1,
+        fuse_qkv: bool = True,
+    ) -> None:
+        super().__init__()
+        tp = tp_size()
+        if tp % kv_size_multiplier:
+            raise ValueError(f"kv_size_multiplier {kv_size_multiplier} must divide the tensor-parallel degree {tp}")
+        if bias and gather_output:
+            raise NotImplementedError("GQAQKVColumnParallelLinear: bias with gather_output")
+        self.gather_output, self.kv_size_multiplier, self.fuse_qkv = gather_output, kv_size_multiplier, fuse_qkv
+        self.q_size = _divide(output_sizes[0], tp, "query size")
+        self.kv_size = _divide(output_sizes[1] * kv_size_multiplier, tp, "replicated key/value size")
+        self.kv_group = kv_shared_group(kv_size_multiplier) if kv_size_multiplier > 1 else None
+        sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
+        if fuse_qkv:
+            self.weight_qkv = _uniform((sum(sizes.values()), input_size), input_size, dtype)
+            self.bias_qkv = _uniform((sum(sizes.values()),), input_size, dtype) if bias else None
+        else:
+            for name, size in sizes.items():
+                self.register_parameter(f"weight_{name}", _uniform((size, input_size), input_size, dtype))
+                self.register_parameter(f"bias_{name}", _uniform((size,), input_size, dtype) if bias else None)
+
+    def _parts(self, prefix: str) -> list[torch.Tensor | None]:
+        if self.fuse_qkv:
+            fused = getattr(self, f"{prefix}_qkv")
+            return [None] * 3 if fused is None else list(fused.split([self.q_size, self.kv_size, self.kv_size]))
+        return [getattr(self, f"{prefix}_{name}") for name in "qkv"]
+
+    def forward(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tensor = copy_to_tensor_model_parallel_region(tensor)
+        (weight_q, weight_k, weight_v), (bias_q, bias_k, bias_v) = self._parts("weight"), self._parts("bias")
+        assert weight_q is not None and weight_k is not None and weight_v is not None
+        q = F.linear(tensor, weight_q, bias_q)
+        kv_input = tensor
+        if self.kv_group is not None:
+            kv_input = _apply(_ScaleGradient, tensor, 1 / self.kv_size_multiplier)
+        k, v = F.linear(kv_input, weight_k, bias_k), F.linear(kv_input, weight_v, bias_v)
+        if self.kv_group is not None:
+            k, v = _apply(_SumGradients, k, self.kv_group), _apply(_SumGradients, v, self.kv_group)
+        if self.gather_output:
+            q, k, v = (gather_from_tensor_model_parallel_region(t) for t in (q, k, v))
+        return q, k, v
+
+
+# --- loss ----------------------------------------------------------------------------------------------
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """-log softmax(logits)[target] with the vocabulary split over the TP group; targets outside any
+    rank's range (the ignore index) give log-sum-exp, which the facade zeroes."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        maximum = logits.max(dim=-1).values
+        if tp > 1:
+            dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - maximum.unsqueeze(-1)
+        part = logits.shape[-1]
+        mine = (target >= rank * part) & (target < (rank + 1) * part)
+        local = ((target - rank * part) * mine).unsqueeze(-1)
+        predicted = shifted.gather(-1, local).squeeze(-1) * mine.to(shifted.dtype)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        if tp > 1:
+            dist.all_reduce(predicted, group=group)
+            dist.all_reduce(total, group=group)
+        ctx.save_for_backward(exp / total.unsqueeze(-1), mine, local)
+        return total.log() - predicted
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        softmax, mine, local = ctx.saved_tensors
+        result = softmax.scatter_add(-1, local, -mine.unsqueeze(-1).to(softmax.dtype))
+        return result * grad.unsqueeze(-1), None, None
+
+
+def parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    apply = _VocabParallelCrossEntropy.apply
+    result: torch.Tensor = apply(vocab_parallel_logits, target, _get().tp_group)  # type: ignore[no-untyped-call]
+    return result

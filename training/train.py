@@ -1,0 +1,247 @@
+"""`python -m training train --recipe R`: the torchrun job both recipes run, on Neuron or on the CPU backend.
+
+Launch one process per worker with torchrun (one per NeuronCore on Trainium); a single process without
+torchrun also works. Everything is decided by the recipe: the compile run (`--compile`, for
+`neuron_parallel_compile`) differs from the real run only in running two steps and saving nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from training import parallel
+from training.checkpointing import latest_complete_step, load_checkpoint, load_pretrained, save_checkpoint
+from training.checkpoints import copy_companions, read_config
+from training.data import BatchPlan, TrainingData
+from training.errors import UserError
+from training.layouts import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
+from training.model import build_model, model_flops_per_token
+from training.optimizer import TrainingOptimizer
+from training.recipe import Recipe, recipe_as_dict
+
+COMPILE_STEPS = 2  # step 1's optimizer graph differs from the steady state of step 2 (REFERENCE.md s7)
+# Fault injection for tests of resume and requeue: the given rank SIGKILLs itself after finishing the step.
+KILL_AT_STEP = "TRAINING_KILL_AT_STEP"
+KILL_RANK = "TRAINING_KILL_RANK"
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    recipe: Recipe
+    resume: bool = False  # continue from the newest complete checkpoint in checkpoint.dir, if there is one
+    compile_only: bool = False
+    metrics: Path | None = None  # JSON lines; default <checkpoint.dir>/metrics.jsonl
+
+
+def check_model_fits(recipe: Recipe, spec: ModelSpec) -> Parallelism:
+    """The TP layout the recipe asks for, or one line saying why it cannot be (before any process group)."""
+    wanted = recipe.parallelism
+    multiplier = wanted.kv_size_multiplier or default_kv_multiplier(spec, wanted.tp)
+    parallelism = Parallelism(tp=wanted.tp, kv_multiplier=multiplier, fuse_qkv=wanted.fuse_qkv)
+    try:
+        check_parallelism(spec, parallelism, "nxd")
+    except UserError as error:
+        raise UserError(f"parallelism.tp {wanted.tp}: {error}") from None
+    return parallelism
+
+
+def load_model_config(recipe: Recipe) -> tuple[dict[str, Any], Path]:
+    directory = Path(recipe.model.config)
+    if not directory.is_dir():
+        raise UserError(f"model.config {directory}: no such directory (a Hugging Face model with config.json)")
+    return read_config(directory, None)
+
+
+def train(options: TrainOptions) -> dict[str, Any]:
+    """Runs the recipe on this process's rank; returns a summary (on every rank)."""
+    recipe = options.recipe
+    config, config_path = load_model_config(recipe)
+    spec = ModelSpec.from_config(config)
+    parallelism = check_model_fits(recipe, spec)
+    if recipe.model.pretrained and not Path(recipe.model.pretrained).is_dir():
+        raise UserError(f"model.pretrained {recipe.model.pretrained}: no such directory (a `convert --to nxd` output)")
+    data_path = Path(recipe.data.path)
+    if not data_path.is_dir():
+        raise UserError(f"data.path {data_path}: no such directory (run `python -m training prepare` first)")
+    data = TrainingData(data_path, recipe.data.split, recipe.batch.seq_len)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % recipe.parallelism.tp:
+        raise UserError(
+            f"parallelism.tp {recipe.parallelism.tp} does not divide the {world} launched processes "
+            "(launch a multiple of tp with torchrun --nproc_per_node)"
+        )
+    plan = BatchPlan(recipe.batch.global_batch, recipe.batch.micro, world // recipe.parallelism.tp)
+    plan.check()
+
+    parallel.initialize(tp=recipe.parallelism.tp, backend=recipe.backend)
+    try:
+        return _run(options, config, config_path, parallelism, plan, data)
+    finally:
+        parallel.destroy()
+
+
+def _run(
+    options: TrainOptions,
+    config: dict[str, Any],
+    config_path: Path,
+    parallelism: Parallelism,
+    plan: BatchPlan,
+    data: TrainingData,
+) -> dict[str, Any]:
+    recipe = options.recipe
+    _seed_everything(recipe.seed)
+    checkpoint_dir = Path(recipe.checkpoint.dir)
+    rank = parallel.world_rank()
+    resume_step = latest_complete_step(checkpoint_dir) if options.resume and not options.compile_only else None
+    dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
+    model = build_model(
+        config,
+        kv_multiplier=parallelism.kv_multiplier,
+        fuse_qkv=parallelism.fuse_qkv,
+        dtype=dtype,
+        seed=recipe.seed,
+        router_aux_loss=True,
+    )
+    if recipe.model.pretrained and resume_step is None:
+        load_pretrained(Path(recipe.model.pretrained), config_path, model)
+    # Built after the weights are loaded: ZeRO-1 derives its fp32 master copy from the parameters.
+    optimizer = TrainingOptimizer(model, recipe.optimizer, recipe.schedule, recipe.steps)
+    start = 0
+    if resume_step is not None:
+        content = load_checkpoint(checkpoint_dir, resume_step, model, optimizer)
+        start = int(content["step"])
+    if rank == 0 and not options.compile_only:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        copy_companions(config_path.parent, config_path, checkpoint_dir)  # so `convert --from nxd` stands alone
+    last = COMPILE_STEPS if options.compile_only else recipe.steps
+    flops_per_token = model_flops_per_token(config, recipe.batch.seq_len)
+    metrics = _open_metrics(options, checkpoint_dir) if rank == 0 else None
+    if rank == 0:
+        print(
+            f"training {recipe.name}: steps {start + 1}..{last} of {recipe.steps}, tp {parallelism.tp}, "
+            f"dp {plan.dp}, {plan.accumulation} micro batches of {plan.micro} per rank and step"
+            + (f", resumed from step {start}" if resume_step is not None else ""),
+            flush=True,
+        )
+    device = parallel.device()
+    first_loss = last_loss = float("nan")
+    window_start, window_steps = time.perf_counter(), 0
+    try:
+        for step in range(start, last):
+            total = torch.zeros((), device=device)
+            for micro_step in range(plan.accumulation):
+                input_ids, targets = data.batch(plan.sample_indices(step, parallel.dp_rank(), micro_step))
+                output = model(input_ids.to(device), targets.to(device))
+                assert output.loss is not None
+                (output.loss / plan.accumulation).backward()
+                total += output.loss.detach()
+            learning_rate = optimizer.lr
+            grad_norm = optimizer.step()
+            parallel.mark_step()
+            window_steps += 1
+            done = step + 1
+            if done % recipe.log_every == 0 or done == last:
+                loss = _data_parallel_mean(total / plan.accumulation)
+                elapsed = time.perf_counter() - window_start
+                record = _metrics_record(recipe, plan, done, loss, learning_rate, grad_norm, elapsed, window_steps)
+                peak_flops = recipe.peak_tflops_per_worker * 1e12 * parallel.world_size()
+                record["mfu"] = round(flops_per_token * record["tokens_per_second"] / peak_flops, 6)
+                first_loss = loss if first_loss != first_loss else first_loss
+                last_loss = loss
+                if metrics is not None:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                    print(
+                        f"(step {done}) step_loss : {loss:.4f} learning_rate : {learning_rate:.2e} "
+                        f"throughput : {record['seq_per_second']:.2f} seq/s",
+                        flush=True,
+                    )
+                window_start, window_steps = time.perf_counter(), 0
+            if not options.compile_only and _checkpoint_due(recipe, done):
+                user_content = {"step": done, "consumed_samples": done * plan.global_batch}
+                save_checkpoint(
+                    checkpoint_dir,
+                    done,
+                    model,
+                    optimizer,
+                    user_content,
+                    keep_last=recipe.checkpoint.keep_last,
+                    xser=recipe.checkpoint.xser,
+                )
+            _fault_injection(done)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return {"steps": last, "started_at": start, "first_loss": first_loss, "last_loss": last_loss}
+
+
+def _checkpoint_due(recipe: Recipe, step: int) -> bool:
+    every = recipe.checkpoint.every
+    return step == recipe.steps or (every > 0 and step % every == 0)
+
+
+def _metrics_record(
+    recipe: Recipe,
+    plan: BatchPlan,
+    step: int,
+    loss: float,
+    learning_rate: float,
+    grad_norm: float,
+    elapsed: float,
+    steps: int,
+) -> dict[str, Any]:
+    sequences = plan.global_batch * steps / max(elapsed, 1e-9)
+    return {
+        "step": step,
+        "loss": round(loss, 6),
+        "lr": learning_rate,
+        "grad_norm": round(grad_norm, 6),
+        "seq_per_second": round(sequences, 4),
+        "tokens_per_second": round(sequences * recipe.batch.seq_len, 2),
+        "time": time.time(),
+    }
+
+
+def _data_parallel_mean(value: torch.Tensor) -> float:
+    if parallel.backend() == "cpu" and parallel.dp_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=parallel.dp_group())
+        value /= parallel.dp_size()
+    return float(value)
+
+
+def _open_metrics(options: TrainOptions, checkpoint_dir: Path) -> TextIO:
+    path = options.metrics or (checkpoint_dir / ("metrics-compile.jsonl" if options.compile_only else "metrics.jsonl"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.open("a")
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _fault_injection(step: int) -> None:
+    if os.environ.get(KILL_AT_STEP) == str(step) and os.environ.get(KILL_RANK, "0") == str(parallel.world_rank()):
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_from_cli(recipe: Recipe, *, resume: bool, compile_only: bool, metrics: Path | None) -> int:
+    summary = train(TrainOptions(recipe=recipe, resume=resume, compile_only=compile_only, metrics=metrics))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"recipe": recipe_as_dict(recipe)["name"], **summary}), flush=True)
+    return 0
