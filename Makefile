@@ -12,7 +12,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 # Offline: never reach for instance metadata when looking for credentials.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: deps tools synth synth-all test lint snapshots clean
+.PHONY: deps tools synth synth-all demo slurm-up slurm-down slurm-status test lint snapshots clean
 
 deps: $(VENV)/.installed node_modules/.installed
 
@@ -45,6 +45,19 @@ synth-all: deps
 	for file in environments/*.yaml; do name=$$(basename $$file .yaml); \
 	  npx cdk synth -c env=$$name --quiet --output cdk.out.$$name; done
 
+## The main job, locally: both recipes' tiny variants through the whole Slurm pipeline on a local Slurm
+## (started and stopped here; Debian's slurm packages are installed when missing, as root).
+demo: deps
+	$(VPY) -m training.demo
+
+## The local Slurm on its own (state in .local-slurm/): `eval "$$(make -s slurm-up | grep ^export)"` to use it.
+slurm-up: deps
+	$(VPY) -m training.local_slurm up
+slurm-down: deps
+	$(VPY) -m training.local_slurm down
+slurm-status: deps
+	$(VPY) -m training.local_slurm status
+
 ## Lint, type-check the pure parts, then run every test.
 test: deps tools lint
 	$(VPY) -m pytest
@@ -56,7 +69,7 @@ lint: deps
 
 ## Rewrite the template snapshots in tests/infra/snapshots/ after an intended infrastructure change.
 snapshots: deps
-	UPDATE_SNAPSHOTS=1 $(VPY) -m pytest tests/infra/test_snapshots.py
+	UPDATE_SNAPSHOTS=1 $(VPY) -m pytest tests/infra/test_snapshots.py tests/pipeline/test_templates.py
 
 clean:
-	rm -rf cdk.out cdk.out.* .pytest_cache .ruff_cache .mypy_cache
+	rm -rf cdk.out cdk.out.* .pytest_cache .ruff_cache .mypy_cache work

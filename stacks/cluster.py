@@ -30,6 +30,7 @@ from constructs import Construct
 
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
 from stacks.pcluster_config import ClusterResources, build_cluster_configuration
+from stacks.pipeline_site import shared_env_path
 
 BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "node" / "on_node_configured.sh"
 # ParallelCluster's provider may attach only policies under this path (or named parallelcluster*).
@@ -58,7 +59,7 @@ def bootstrap_arguments(config: EnvironmentConfig, neuron_release: str) -> tuple
         "--neuron-release",
         neuron_release,
         "--shared-env",
-        f"{config.storage.mount_dir}/envs/neuron-{neuron_release}",
+        shared_env_path(config, neuron_release),
     )
 
 

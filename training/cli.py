@@ -96,6 +96,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile", action="store_true", help="run exactly 2 steps and save nothing (for neuron_parallel_compile)"
     )
     train.add_argument("--metrics", type=Path, help="JSON lines file (default: <checkpoint.dir>/metrics.jsonl)")
+
+    submit = commands.add_parser("submit", help="submit a recipe's whole pipeline to Slurm as one dependency graph")
+    submit.add_argument("--recipe", required=True, help="recipe YAML file, or the name of a bundled recipe")
+    submit.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. steps=100")
+    submit.add_argument("--run-id", help="name of the run (default: <recipe>-<UTC time>); an existing run resumes")
+    submit.add_argument("--env-file", type=Path, help="site settings YAML (runs root, results, python, partition...)")
+    submit.add_argument("--dry-run", action="store_true", help="print the job scripts and the graph, submit nothing")
+    for name, text in (
+        ("status", "stages of a run with Slurm state, time and training progress"),
+        ("cancel", "cancel every job of a run"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("--run-id", required=name == "cancel", help="run (default for status: the newest)")
+        command.add_argument("--env-file", type=Path, help="site settings YAML (where the runs are)")
+
+    sample = commands.add_parser("sample", help="greedy and top-k answers of a trained Hugging Face model")
+    sample.add_argument("--recipe", required=True, help="recipe (prompts, chat format)")
+    sample.add_argument("--model", required=True, type=Path, help="Hugging Face model directory")
+    sample.add_argument("--out", required=True, type=Path, help="JSON file to write")
+
+    export = commands.add_parser("export", help="copy a run's model, metrics, samples and logs to S3 or a directory")
+    export.add_argument("--run-dir", required=True, type=Path)
+    export.add_argument("--to", required=True, help="s3://bucket/prefix or a directory")
+    export.add_argument("--with-checkpoints", action="store_true", help="also copy the training checkpoints")
     return parser
 
 
@@ -133,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if arguments.command == "train":
             return _train(arguments)
+        if arguments.command in ("submit", "status", "cancel", "sample", "export"):
+            return _pipeline(arguments)
         manifest = _run(arguments)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -218,3 +244,31 @@ def _train(arguments: argparse.Namespace) -> int:
     return run_from_cli(
         recipe, resume=arguments.resume == "latest", compile_only=arguments.compile, metrics=arguments.metrics
     )
+
+
+def _pipeline(arguments: argparse.Namespace) -> int:
+    from training import pipeline
+
+    if arguments.command == "sample":
+        from training.recipe import load_recipe
+        from training.sample import sample
+
+        sample(load_recipe(arguments.recipe), arguments.model, arguments.out)
+        return 0
+    if arguments.command == "export":
+        from training.export import export
+
+        export(arguments.run_dir, arguments.to, with_checkpoints=arguments.with_checkpoints)
+        return 0
+    site = pipeline.load_site(arguments.env_file)
+    if arguments.command == "submit":
+        pipeline.submit(
+            arguments.recipe, arguments.overrides, run_id=arguments.run_id, site=site, dry_run=arguments.dry_run
+        )
+        return 0
+    run_dir = pipeline.find_run_dir(site, arguments.run_id)
+    if arguments.command == "cancel":
+        pipeline.cancel(run_dir)
+        return 0
+    rows = pipeline.print_status(run_dir)
+    return 1 if any(row["state"] not in ("COMPLETED", *pipeline.ACTIVE_STATES) for row in rows) else 0

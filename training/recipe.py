@@ -77,6 +77,27 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
+class PrepareSection:
+    """How the pipeline's prepare stage makes `data.path` (arguments of `python -m training prepare`)."""
+
+    kind: Literal["pretrain", "sft"]
+    source: str  # hub dataset NAME[:CONFIG], or a local file/directory
+    tokenizer: str | None = None  # default: model.config
+    validation: str | None = None  # sft: a split name or a local file
+    max_records: int | None = None  # stop after this many documents/examples (smoke runs)
+
+
+@dataclass(frozen=True)
+class SampleSection:
+    """The sample stage's check of the trained model: greedy and top-k continuations of a few prompts."""
+
+    prompts: tuple[str, ...] = ("The capital of France is", "Explain what a GPU is in one sentence.")
+    max_new_tokens: int = 48
+    top_k: int = 50
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     model: ModelSection
@@ -93,6 +114,9 @@ class Recipe:
     log_every: int = 1
     # Hardware peak for the MFU estimate, per worker process (a NeuronCore-v2 is 95 TFLOPS bf16).
     peak_tflops_per_worker: float = 95.0
+    nodes: int = 1  # nodes of the training (and compile) job
+    prepare: PrepareSection | None = None  # how the pipeline makes the data (None: data.path exists)
+    sample: SampleSection = field(default_factory=SampleSection)
 
 
 # YAML spells `global` (a Python keyword) for the global batch size.
@@ -163,6 +187,7 @@ def validate(recipe: Recipe) -> list[str]:
     positive("parallelism.tp", recipe.parallelism.tp)
     positive("optimizer.lr", recipe.optimizer.lr)
     positive("log_every", recipe.log_every)
+    positive("nodes", recipe.nodes)
     if recipe.batch.micro > 0 and recipe.batch.global_batch % recipe.batch.micro:
         problems.append(
             f"batch.micro: {recipe.batch.micro} does not divide batch.global {recipe.batch.global_batch} "
@@ -224,6 +249,11 @@ def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
         if value not in args:
             problems.append(f"{key}: {value!r} is not allowed (allowed: {', '.join(map(str, args))})")
         return value
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, list | tuple):
+            problems.append(f"{key}: expected a list, got {value!r}")
+            return value
+        return tuple(_coerce(args[0], v, key, problems) for v in value)
     if origin is tuple:
         if not isinstance(value, list | tuple) or len(value) != len(args):
             problems.append(f"{key}: expected a list of {len(args)} numbers, got {value!r}")

@@ -111,24 +111,31 @@ def tiny_model(
     return directory
 
 
-def build_tiny_world(
-    root: Path, architecture: str, *, tp: int, seq_len: int = 64, documents: int = 400
-) -> dict[str, Path]:
-    """Everything a tiny recipe reads, under `root`: tokenizer, `hf` model, prepared `data`, and the
-    `pretrained_weight` (nxd at `tp`) written by the converter, as the pipeline would produce them."""
-    from training.convert import ConvertOptions, convert
-    from training.prepare import PretrainOptions, SftOptions, prepare_pretrain, prepare_sft
-
+def make_tiny_sources(root: Path, architecture: str, *, documents: int = 400) -> dict[str, Path]:
+    """What the pipeline starts from, under `root`: `tokenizer`, an `hf` model (with the tokenizer), and a
+    `corpus.jsonl` (llama) or `chats.jsonl` (mixtral) in the formats `prepare` reads."""
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(root / "tokenizer")
     hf = tiny_model(root / "hf", tokenizer, architecture=architecture)
-    data = root / "data"
     if architecture == "llama":
-        corpus = write_jsonl(root / "corpus.jsonl", ({"text": text} for text in sample_documents(documents)))
-        prepare_pretrain(PretrainOptions(source=str(corpus), tokenizer=str(tokenizer), seq_len=seq_len, out=data))
+        data = write_jsonl(root / "corpus.jsonl", ({"text": text} for text in sample_documents(documents)))
     else:
-        chats = write_jsonl(root / "chats.jsonl", ({"messages": c} for c in sample_conversations(documents)))
-        prepare_sft(SftOptions(source=str(chats), tokenizer=str(tokenizer), seq_len=seq_len, out=data))
+        data = write_jsonl(root / "chats.jsonl", ({"messages": c} for c in sample_conversations(documents)))
+    return {"tokenizer": tokenizer, "hf": hf, "source": data}
+
+
+def build_tiny_world(root: Path, architecture: str, *, tp: int, seq_len: int = 64) -> dict[str, Path]:
+    """The tiny sources plus what the pipeline's first stages make of them: prepared `data` and the
+    `pretrained_weight` (nxd at `tp`) written by the converter."""
+    from training.convert import ConvertOptions, convert
+    from training.prepare import PretrainOptions, SftOptions, prepare_pretrain, prepare_sft
+
+    world = make_tiny_sources(root, architecture)
+    data, source, tokenizer = root / "data", str(world["source"]), str(world["tokenizer"])
+    if architecture == "llama":
+        prepare_pretrain(PretrainOptions(source=source, tokenizer=tokenizer, seq_len=seq_len, out=data))
+    else:
+        prepare_sft(SftOptions(source=source, tokenizer=tokenizer, seq_len=seq_len, out=data))
     pretrained = root / "pretrained_weight"
-    convert(ConvertOptions(source_format="hf", target_format="nxd", input=hf, output=pretrained, tp=tp))
-    return {"tokenizer": tokenizer, "hf": hf, "data": data, "pretrained": pretrained}
+    convert(ConvertOptions(source_format="hf", target_format="nxd", input=world["hf"], output=pretrained, tp=tp))
+    return {**world, "data": data, "pretrained": pretrained}

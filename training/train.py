@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,8 @@ from training.optimizer import TrainingOptimizer
 from training.recipe import Recipe, recipe_as_dict
 
 COMPILE_STEPS = 2  # step 1's optimizer graph differs from the steady state of step 2 (REFERENCE.md s7)
-# Fault injection for tests of resume and requeue: the given rank SIGKILLs itself after finishing the step.
+# Fault injection for tests of resume and requeue: the given rank SIGKILLs itself after finishing the step,
+# once per checkpoint directory.
 KILL_AT_STEP = "TRAINING_KILL_AT_STEP"
 KILL_RANK = "TRAINING_KILL_RANK"
 
@@ -180,7 +180,7 @@ def _run(
                     keep_last=recipe.checkpoint.keep_last,
                     xser=recipe.checkpoint.xser,
                 )
-            _fault_injection(done)
+            _fault_injection(done, checkpoint_dir)
     finally:
         if metrics is not None:
             metrics.close()
@@ -234,10 +234,17 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _fault_injection(step: int) -> None:
-    if os.environ.get(KILL_AT_STEP) == str(step) and os.environ.get(KILL_RANK, "0") == str(parallel.world_rank()):
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+def _fault_injection(step: int, checkpoint_dir: Path) -> None:
+    """Once per checkpoint directory (a marker remembers it), so the resumed run goes past the step."""
+    if os.environ.get(KILL_AT_STEP) != str(step) or os.environ.get(KILL_RANK, "0") != str(parallel.world_rank()):
+        return
+    marker = checkpoint_dir / f".fault-injected-at-step-{step}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    print(f"fault injection: rank {parallel.world_rank()} kills itself after step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_from_cli(recipe: Recipe, *, resume: bool, compile_only: bool, metrics: Path | None) -> int:

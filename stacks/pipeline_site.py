@@ -1,0 +1,38 @@
+"""The Slurm pipeline's site settings for a deployed environment (`python -m training submit --env-file`).
+
+Derived from the environment file, so the job scripts on the cluster follow the reviewed settings: runs on
+the shared file system, results exported to the results bucket (which outlives the stack), the Neuron
+environment the node bootstrap builds, one process per NeuronCore, EFA when the queue has it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stacks.config import EnvironmentConfig
+from stacks.instance_types import COMPUTE_INSTANCE_TYPES
+
+
+def shared_env_path(config: EnvironmentConfig, neuron_release: str) -> str:
+    """The shared Python environment the head node's bootstrap builds on the file system."""
+    return f"{config.storage.mount_dir}/envs/neuron-{neuron_release}"
+
+
+def site_settings(config: EnvironmentConfig, *, neuron_release: str, results_uri: str) -> dict[str, Any]:
+    facts = COMPUTE_INSTANCE_TYPES[config.compute.instance_type]
+    mount = config.storage.mount_dir
+    return {
+        "name": config.name,
+        "runs_root": f"{mount}/runs",
+        "results": results_uri,
+        "python": f"{shared_env_path(config, neuron_release)}/bin/python",
+        "setup": [],
+        "partition": config.compute.queue_name,
+        "processes_per_node": facts.neuron_cores,
+        "exclusive": True,
+        "neuron": True,
+        "efa": config.compute.efa,
+        "compile_cache": f"{mount}/neuron-cache",
+        "max_restarts": 3,
+        "time_minutes": 0,
+    }

@@ -1,0 +1,166 @@
+"""The whole pipeline on the real local Slurm, with the job scripts the cluster runs: both tiny recipes end to
+end, training over 2 nodes, a killed training job requeued and resumed to the same weights, a failing stage
+that cancels its dependants and a failed run resumed by resubmitting it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from training import pipeline
+from training.pipeline import Site
+from training.tiny import make_tiny_sources
+from training.train import KILL_AT_STEP
+
+TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def slurm(local_slurm: Any) -> Iterator[Any]:
+    """The session's local Slurm, its config in this process's environment for sbatch/scontrol."""
+    saved = dict(os.environ)
+    os.environ.update(local_slurm.env)
+    yield local_slurm
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("sources")
+    return {name: make_tiny_sources(root / name, name) for name in ("llama", "mixtral")}
+
+
+def overrides(world: dict[str, Path], *extra: str) -> list[str]:
+    return [f"model.config={world['hf']}", f"prepare.source={world['source']}", *extra]
+
+
+def run(recipe: str, world: dict[str, Path], site: Site, run_id: str, *extra: str) -> Path:
+    result = pipeline.submit(recipe, overrides(world, *extra), run_id=run_id, site=site, dry_run=False)
+    return Path(result["run_dir"])
+
+
+def states(run_dir: Path) -> dict[str, str]:
+    return {row["stage"]: row["state"] for row in pipeline.wait(run_dir, timeout=TIMEOUT)}
+
+
+def model_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted((step_dir / "model").glob("*.pt")):
+        tensors |= {f"{file.name}:{k}": v for k, v in torch.load(file, weights_only=True).items()}
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
+    root = tmp_path_factory.mktemp("pipeline")
+    return Site(runs_root=str(root / "runs"), results=str(root / "results"))
+
+
+@pytest.fixture(scope="module")
+def reference_runs(slurm: Any, sources: dict[str, dict[str, Path]], site: Site) -> dict[str, Path]:
+    """Both tiny recipes (10 steps, checkpoints every 5), submitted together and run to the end."""
+    runs = {
+        "llama": run("tiny-llama-cpt", sources["llama"], site, "llama", "steps=10", "checkpoint.every=5"),
+        "mixtral": run("tiny-mixtral-sft", sources["mixtral"], site, "mixtral", "steps=10", "checkpoint.every=5"),
+    }
+    # Submitting a run that is queued or running does nothing.
+    again = pipeline.submit(
+        "tiny-llama-cpt",
+        overrides(sources["llama"], "steps=10", "checkpoint.every=5"),
+        run_id="llama",
+        site=site,
+        dry_run=False,
+    )
+    assert again["submitted"] is False
+    return runs
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str, Path], site: Site) -> None:
+    run_dir = reference_runs[name]
+    assert set(states(run_dir).values()) == {"COMPLETED"}, pipeline.stage_states(run_dir)
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["stages"] == ["prepare", "convert-in", "compile", "train", "convert-out", "sample", "export"]
+    assert len(record["submissions"]) == 1 and set(record["submissions"][0]["jobs"]) == set(record["stages"])
+    exported = Path(site.results) / name
+    model = AutoModelForCausalLM.from_pretrained(exported / "hf")
+    assert model.config.num_hidden_layers == 2
+    samples = json.loads((exported / "samples.json").read_text())["samples"]
+    assert samples and all(s["greedy"] for s in samples)
+    metrics = [json.loads(line) for line in (exported / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 11)) and metrics[-1]["loss"] < metrics[0]["loss"]
+    assert (exported / "logs").is_dir() and (exported / "run.json").is_file()
+
+
+def test_training_over_two_nodes_matches_one_node(
+    reference_runs: dict[str, Path], sources: dict[str, dict[str, Path]], site: Site
+) -> None:
+    """2 nodes x 1 process at TP 2: one TP group across two nodes, the same math as one node."""
+    two_nodes = Site(**{**site.__dict__, "processes_per_node": 1})
+    run_dir = run(
+        "tiny-llama-cpt", sources["llama"], two_nodes, "llama-2-nodes", "steps=10", "checkpoint.every=5", "nodes=2"
+    )
+    assert set(states(run_dir).values()) == {"COMPLETED"}, pipeline.stage_states(run_dir)
+    assert "#SBATCH --nodes=2" in (run_dir / "jobs" / "train.sbatch").read_text()
+    log = next((run_dir / "logs").glob("train-*.out")).read_text()
+    assert "2 nodes x 1 processes" in log
+    expected, actual = (
+        model_tensors(reference_runs["llama"] / "checkpoints" / "step_10"),
+        model_tensors(run_dir / "checkpoints" / "step_10"),
+    )
+    assert expected.keys() == actual.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_killed_training_job_is_requeued_and_ends_with_identical_weights(
+    reference_runs: dict[str, Path], sources: dict[str, dict[str, Path]], site: Site
+) -> None:
+    os.environ[KILL_AT_STEP] = "7"  # sbatch exports the environment: rank 0 SIGKILLs itself after step 7, once
+    try:
+        run_dir = run("tiny-llama-cpt", sources["llama"], site, "llama-killed", "steps=10", "checkpoint.every=5")
+    finally:
+        del os.environ[KILL_AT_STEP]
+    assert set(states(run_dir).values()) == {"COMPLETED"}, pipeline.stage_states(run_dir)
+    job = json.loads((run_dir / "run.json").read_text())["submissions"][0]["jobs"]["train"]
+    assert pipeline.job_info(job).get("Restarts") == "1"
+    log = (run_dir / "logs" / f"train-{job}.out").read_text()
+    assert "fault injection: rank 0 kills itself after step 7" in log and "requeued to resume" in log
+    assert "resumed from step 5" in log
+    expected = model_tensors(reference_runs["llama"] / "checkpoints" / "step_10")
+    actual = model_tensors(run_dir / "checkpoints" / "step_10")
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(value, actual[key]) for key, value in expected.items())
+
+
+def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
+    slurm: Any, sources: dict[str, dict[str, Path]], site: Site, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model directory appears only after the first submission: convert-in fails, prepare (given the
+    tokenizer) succeeds, everything after them is cancelled at once; resubmitting runs only what is left."""
+    late = tmp_path / "late-model"
+    world = {**sources["llama"], "hf": late}
+    extra = ("steps=4", "checkpoint.every=2", f"prepare.tokenizer={sources['llama']['tokenizer']}")
+    run_dir = run("tiny-llama-cpt", world, site, "llama-failing", *extra)
+    first = states(run_dir)
+    assert first["prepare"] == "COMPLETED" and first["convert-in"] == "FAILED"
+    assert {first[s] for s in ("compile", "train", "convert-out", "sample", "export")} == {"CANCELLED"}
+    assert pipeline.print_status(run_dir)
+    printed = capsys.readouterr().out
+    assert "convert-in ended FAILED; last lines of" in printed and f"--input {late}: no such directory" in printed
+
+    shutil.copytree(sources["llama"]["hf"], late)
+    resumed = pipeline.submit(
+        "tiny-llama-cpt", overrides(world, *extra), run_id="llama-failing", site=site, dry_run=False
+    )
+    assert list(resumed["jobs"]) == ["convert-in", "compile", "train", "convert-out", "sample", "export"]
+    assert set(states(run_dir).values()) == {"COMPLETED"}, pipeline.stage_states(run_dir)

@@ -1,0 +1,77 @@
+"""Job scripts rendered for the default environment and the bundled recipes: valid bash, clean under
+shellcheck, and equal to the reviewed snapshots (`UPDATE_SNAPSHOTS=1` rewrites them after an intended change)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from stacks.cluster import BOOTSTRAP_SCRIPT, pinned_neuron_release
+from stacks.config import load_environment
+from stacks.pipeline_site import site_settings
+from training.pipeline import Site, plan_run, render
+from training.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+CLUSTER_RECIPES = ("llama31-8b-cpt", "mixtral-8x7b-sft")
+
+
+def default_site() -> Site:
+    config = load_environment("default", ROOT / "environments")
+    release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
+    settings = site_settings(config, neuron_release=release, results_uri="s3://RESULTS-BUCKET/results")
+    settings["setup"] = tuple(settings["setup"])
+    return Site(**settings)
+
+
+def rendered(recipe: str, site: Site) -> dict[str, str]:
+    return render(plan_run(load_recipe(recipe), site, "RUN-ID"))
+
+
+@pytest.mark.parametrize("recipe", CLUSTER_RECIPES)
+def test_cluster_scripts_match_the_reviewed_snapshots(recipe: str) -> None:
+    scripts = rendered(recipe, default_site())
+    assert list(scripts) == ["prepare", "convert-in", "compile", "train", "convert-out", "sample", "export"]
+    folder = SNAPSHOTS / recipe
+    if os.environ.get("UPDATE_SNAPSHOTS"):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        for stage, text in scripts.items():
+            (folder / f"{stage}.sbatch").write_text(text)
+    expected = {p.stem: p.read_text() for p in sorted(folder.glob("*.sbatch"))}
+    assert expected == scripts, "rendered job scripts changed: review, then run `make snapshots`"
+
+
+def test_cluster_scripts_carry_the_cluster_settings() -> None:
+    scripts = rendered("llama31-8b-cpt", default_site())
+    for stage, text in scripts.items():
+        assert f"#SBATCH --job-name=RUN-ID-{stage}\n" in text
+        assert f"#SBATCH --output=/fsx/runs/RUN-ID/logs/{stage}-%j.out\n" in text
+        assert "#SBATCH --exclusive\n" in text and "#SBATCH --partition=compute1\n" in text
+        assert "FI_PROVIDER=efa" in text and "--cache_dir=/fsx/neuron-cache" in text
+        assert "gpu" not in text.lower() and "cuda" not in text.lower() and "nccl" not in text.lower()
+    assert "#SBATCH --nodes=4\n" in scripts["train"] and "#SBATCH --requeue\n" in scripts["train"]
+    assert "--nproc_per_node 32" in scripts["train"] and '--node_rank "${SLURM_NODEID}"' in scripts["train"]
+    assert "neuron_parallel_compile /fsx/envs/neuron-" in scripts["compile"]
+    assert "--compile" in scripts["compile"] and "--resume latest" in scripts["train"]
+    assert "scontrol show hostnames" in scripts["train"]
+    assert "--tp 32 \\\n    --kv-size-multiplier 4 \\\n    --xser" in scripts["convert-in"]
+    assert "--to s3://RESULTS-BUCKET/results/RUN-ID" in scripts["export"]
+
+
+@pytest.mark.parametrize("recipe", [*CLUSTER_RECIPES, "tiny-llama-cpt", "tiny-mixtral-sft"])
+@pytest.mark.parametrize("where", ["cluster", "local"])
+def test_every_script_passes_bash_n_and_shellcheck(recipe: str, where: str, tmp_path: Path) -> None:
+    site = default_site() if where == "cluster" else Site(runs_root=str(tmp_path / "runs"))
+    for stage, text in rendered(recipe, site).items():
+        script = tmp_path / f"{stage}.sbatch"
+        script.write_text(text)
+        syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+        assert syntax.returncode == 0, f"{stage}: {syntax.stderr}"
+        lint = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True, check=False)
+        assert lint.returncode == 0, f"{stage}:\n{lint.stdout}"

@@ -1,0 +1,491 @@
+"""A real Slurm cluster on this one machine, started and stopped by this module: no systemd, nothing in /etc.
+
+One `slurmctld` and N `slurmd` (nodes `node1..nodeN`, all on 127.0.0.1 with their own ports) run detached
+from a state directory that holds the generated `slurm.conf`, the controller state, the spool, the logs and
+the daemons' PIDs. Clients (sbatch, squeue, scontrol, ...) find the cluster through `SLURM_CONF`, so the
+system's Slurm configuration, if any, is never read or changed. It lets the pipeline's real job scripts
+(dependencies, requeue, multi-node srun) run locally exactly as they do on ParallelCluster.
+
+    python -m training.local_slurm up|down|status [--state-dir DIR] [--nodes N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from training.errors import UserError
+
+DEFAULT_STATE_DIR = Path(".local-slurm")
+DEFAULT_NODES = 3
+PARTITION = "local"
+REAL_MEMORY_MB = 1024  # small on purpose: memory is not a consumable resource here (CR_CPU), as on ParallelCluster
+PACKAGES = ("slurmctld", "slurmd", "slurm-client")
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+POLL_S = 0.05
+POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
+RECORD = "daemons.json"
+
+
+# --- installation --------------------------------------------------------------------------------------
+
+
+def _which(command: str) -> str | None:
+    """Daemons live in /usr/sbin, which is not on every PATH."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    return shutil.which(command, path=path)
+
+
+@contextlib.contextmanager
+def _no_service_starts() -> Iterator[None]:
+    """Debian package scripts start their services unless policy-rc.d says no (exit 101); restore it afterwards."""
+    original = POLICY_RC_D.read_bytes() if POLICY_RC_D.exists() else None
+    mode = POLICY_RC_D.stat().st_mode if original is not None else 0o755
+    POLICY_RC_D.write_text(
+        "#!/bin/sh\n# Written by training.local_slurm for one package install: start no service.\nexit 101\n"
+    )
+    POLICY_RC_D.chmod(0o755)
+    try:
+        yield
+    finally:
+        if original is None:
+            POLICY_RC_D.unlink(missing_ok=True)
+        else:
+            POLICY_RC_D.write_bytes(original)
+            POLICY_RC_D.chmod(mode)
+
+
+def ensure_installed() -> None:
+    """Install Debian's Slurm packages when the daemons or sbatch are missing (root only)."""
+    missing = [command for command in ("slurmctld", "slurmd", "sbatch") if _which(command) is None]
+    if not missing:
+        return
+    packages = " ".join(PACKAGES)
+    if os.geteuid() != 0:
+        raise UserError(
+            f"Slurm is not installed ({', '.join(missing)} missing) and installing it needs root: "
+            f"run `sudo apt-get install {packages}` once, or run this command as root"
+        )
+    if shutil.which("apt-get") is None:
+        raise UserError(
+            f"Slurm is not installed ({', '.join(missing)} missing) and there is no apt-get: install {packages}"
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    with _no_service_starts():
+        result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+        if result.returncode != 0:  # stale or missing package lists: refresh once and retry
+            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=False)
+            result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise UserError(f"`{' '.join(install)}` failed:\n{_tail(result.stdout + result.stderr)}")
+
+
+# --- processes ---------------------------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot); the start time tells a reused PID apart."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return fields[0], int(fields[19])
+
+
+def _alive(pid: int, start: int) -> bool:
+    stat = _proc_stat(pid)
+    if stat is None or stat[1] != start:
+        return False
+    if stat[0] == "Z":  # exited; reap it if it is our child so it does not linger as a zombie
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        return False
+    return True
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports nobody listens on now, so several clusters (a developer's and a test run's) can coexist."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _tail(text: str, lines: int = 20) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _file_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return _tail(path.read_text(errors="replace"), lines)
+    except FileNotFoundError:
+        return "(no log)"
+
+
+# --- configuration -----------------------------------------------------------------------------------------
+
+
+def _node_names(nodes: int) -> list[str]:
+    return [f"node{index}" for index in range(1, nodes + 1)]
+
+
+def render_config(state_dir: Path, nodes: int, ports: Sequence[int], cpus: int) -> str:
+    """slurm.conf for one host; ports[0] is the controller's, ports[1:] the nodes'. All paths inside state_dir."""
+    d = state_dir
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    node_lines = [
+        f"NodeName={name} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} RealMemory={REAL_MEMORY_MB} State=UNKNOWN"
+        for name, port in zip(_node_names(nodes), ports[1:], strict=True)
+    ]
+    node_list = f"node[1-{nodes}]" if nodes > 1 else "node1"
+    return "\n".join(
+        [
+            "# Written by training.local_slurm on every `up`; edits are overwritten.",
+            "ClusterName=local",
+            "SlurmctldHost=localhost(127.0.0.1)",
+            f"SlurmctldPort={ports[0]}",
+            f"SlurmUser={user}",
+            f"SlurmdUser={user}",
+            # No munge daemon: every daemon and client runs on this host as the same user.
+            "AuthType=auth/none",
+            "CredType=cred/none",
+            # A requeued job may start again cred_expire + 1 s after the requeue (default 120 s).
+            "AuthInfo=cred_expire=5",
+            "MpiDefault=none",
+            # No cgroups (none in this container): track job processes by parentage, no task binding.
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            # A job whose dependency can never be met is cancelled instead of pending forever.
+            "DependencyParameters=kill_invalid_depend",
+            # Requests no partition can satisfy (GPUs, too many nodes) fail at submit instead of pending forever.
+            "EnforcePartLimits=ALL",
+            # Start jobs within a second of submission.
+            "SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=1",
+            # Finished jobs stay visible to `scontrol show job` for a day (no accounting database here).
+            "MinJobAge=86400",
+            "SlurmdTimeout=300",
+            "ReturnToService=2",
+            # A failed training run requeues itself with `scontrol requeue`.
+            "JobRequeue=1",
+            # All slurmd on this host report the same hardware; the node lines below are the truth.
+            "SlurmdParameters=config_overrides",
+            f"StateSaveLocation={d / 'state'}",
+            f"SlurmdSpoolDir={d / 'spool' / '%n'}",
+            f"SlurmctldPidFile={d / 'run' / 'slurmctld.pid'}",
+            f"SlurmdPidFile={d / 'run' / 'slurmd-%n.pid'}",
+            f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}",
+            *node_lines,
+            f"PartitionName={PARTITION} Nodes={node_list} Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ]
+    )
+
+
+def slurm_env(state_dir: Path) -> dict[str, str]:
+    """What to merge into os.environ so Slurm clients talk to the cluster of state_dir."""
+    return {"SLURM_CONF": str((state_dir / "slurm.conf").resolve())}
+
+
+# --- the cluster -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LocalSlurm:
+    """A running cluster of one state directory; `daemons` maps slurmctld and each node to (pid, start time)."""
+
+    state_dir: Path
+    nodes: list[str]
+    daemons: dict[str, tuple[int, int]]
+    started: bool = False  # False when `start` found it already running
+    _children: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+
+    @property
+    def conf(self) -> Path:
+        return self.state_dir / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return slurm_env(self.state_dir)
+
+    def run(
+        self, *args: str, check: bool = True, timeout: float = 30.0, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client command against this cluster (stdin from `input`, e.g. an sbatch script)."""
+        env = {**os.environ, **self.env}
+        result = subprocess.run(
+            list(args), env=env, input=input, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if check and result.returncode != 0:
+            raise UserError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
+        return result
+
+    def node_address(self, name: str) -> str:
+        """NodeAddr of a node: node names do not resolve here, so job scripts take MASTER_ADDR from this."""
+        output = self.run("scontrol", "show", "node", "--oneliner", name).stdout
+        match = re.search(r"\bNodeAddr=(\S+)", output)
+        if match is None:
+            raise UserError(f"no NodeAddr for node {name!r} in `scontrol show node`: {output.strip()}")
+        return match.group(1)
+
+    def node_states(self) -> dict[str, str]:
+        """Node name -> State (e.g. IDLE, ALLOCATED, DOWN+NOT_RESPONDING); empty while the controller is down."""
+        try:
+            result = self.run("scontrol", "show", "node", "--oneliner", check=False, timeout=5)
+        except subprocess.TimeoutExpired:
+            return {}
+        states = {}
+        for line in result.stdout.splitlines():
+            name, state = re.search(r"\bNodeName=(\S+)", line), re.search(r"\bState=(\S+)", line)
+            if name and state:
+                states[name.group(1)] = state.group(1)
+        return states
+
+    def sinfo(self) -> str:
+        return self.run("sinfo", "--Node", "--long", check=False).stdout
+
+    def alive(self) -> dict[str, bool]:
+        return {name: _alive(pid, start) for name, (pid, start) in self.daemons.items()}
+
+    def _record(self) -> None:
+        record = {"nodes": self.nodes, "daemons": {name: list(value) for name, value in self.daemons.items()}}
+        (self.state_dir / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+    def _logs(self) -> str:
+        """The daemons' own output: it has what the log files have plus errors from before they are opened."""
+        logs = [_output_file(self.state_dir, name) for name in ["slurmctld", *self.nodes]]
+        return "\n".join(f"--- {log} (last lines)\n{_file_tail(log, 10)}" for log in logs)
+
+    def _wait_until_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            dead = [name for name, up in self.alive().items() if not up]
+            if dead:
+                raise UserError(f"local Slurm: {', '.join(dead)} exited during start-up\n{self._logs()}")
+            states = self.node_states()
+            if all(states.get(node) == "IDLE" for node in self.nodes):
+                return
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"local Slurm: nodes not idle after {timeout:.0f} s (states: {states or 'controller unreachable'})"
+                    f"\n{self._logs()}"
+                )
+            time.sleep(POLL_S)
+
+    def _cancel_jobs(self, timeout: float) -> None:
+        """Cancel every job so no job process outlives the cluster; wait a little for them to finish."""
+        jobs = self.run("squeue", "--noheader", "--format=%A", check=False, timeout=10).stdout.split()
+        if not jobs:
+            return
+        self.run("scancel", *jobs, check=False, timeout=10)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.run("squeue", "--noheader", "--format=%A", check=False, timeout=10).stdout.split():
+                return
+            time.sleep(POLL_S)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop exactly the recorded daemons (SIGTERM, SIGKILL after timeout); idempotent.
+
+        `scontrol shutdown` is not used: with several slurmd on one host it stops only one of them.
+        """
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if self.daemons.get("slurmctld") and _alive(*self.daemons["slurmctld"]):
+                self._cancel_jobs(timeout)
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            running = [(pid, start) for pid, start in self.daemons.values() if _alive(pid, start)]
+            for pid, _ in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while any(_alive(pid, start) for pid, start in running) and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+        for child in self._children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=1)
+        _kill_orphaned_job_processes(self.conf)
+        still = [name for name, up in self.alive().items() if up]
+        if still:
+            raise UserError(f"local Slurm: {', '.join(still)} still running after SIGKILL")
+        (self.state_dir / RECORD).unlink(missing_ok=True)
+
+
+def _kill_orphaned_job_processes(conf: Path) -> None:
+    """Kill slurmstepd and job processes of this cluster left behind by a daemon killed mid-job.
+
+    They are recognised by their environment: SLURM_CONF of this cluster plus being a slurmstepd or a job
+    task (SLURM_JOB_ID set), so a shell that merely exported SLURM_CONF is left alone.
+    """
+    marker = f"SLURM_CONF={conf.resolve()}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            comm = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        if marker in environ and (comm == "slurmstepd" or any(v.startswith(b"SLURM_JOB_ID=") for v in environ)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def recorded(state_dir: Path) -> LocalSlurm | None:
+    """The cluster recorded in state_dir, whether or not its daemons still run; None if there is no record."""
+    record_path = state_dir / RECORD
+    if not record_path.exists():
+        return None
+    record = json.loads(record_path.read_text())
+    daemons = {name: (int(value[0]), int(value[1])) for name, value in record["daemons"].items()}
+    return LocalSlurm(state_dir=state_dir.resolve(), nodes=list(record["nodes"]), daemons=daemons)
+
+
+def running(state_dir: Path) -> LocalSlurm | None:
+    """The cluster of state_dir if every recorded daemon is alive, else None."""
+    cluster = recorded(state_dir)
+    return cluster if cluster is not None and all(cluster.alive().values()) else None
+
+
+def _output_file(state_dir: Path, daemon: str) -> Path:
+    return state_dir / "log" / ("slurmctld.out" if daemon == "slurmctld" else f"slurmd-{daemon}.out")
+
+
+def _spawn(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Detached: own session, no stdin, output to a file, so it neither holds the caller's terminal or pipes
+    open nor dies with the caller's process group."""
+    with log.open("wb") as output:
+        return subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def start(
+    state_dir: Path = DEFAULT_STATE_DIR, nodes: int = DEFAULT_NODES, timeout: float = START_TIMEOUT_S
+) -> LocalSlurm:
+    """Start the cluster of state_dir (installing Slurm if needed) and wait until every node is idle.
+
+    Already running with the same node count: returned as is (`started` False).
+    """
+    if nodes < 1:
+        raise UserError(f"--nodes {nodes}: at least 1")
+    state_dir = state_dir.resolve()
+    existing = recorded(state_dir)
+    if existing is not None and all(existing.alive().values()):
+        if len(existing.nodes) != nodes:
+            raise UserError(
+                f"local Slurm in {state_dir} already runs with {len(existing.nodes)} nodes, not {nodes}: "
+                "run `down` first to change the node count"
+            )
+        return existing
+    if existing is not None:  # partly dead (a daemon crashed or was killed): stop the rest, start afresh
+        existing.stop()
+    ensure_installed()
+    for sub in ("state", "spool", "run", "log"):
+        (state_dir / sub).mkdir(parents=True, exist_ok=True)
+    for node in _node_names(nodes):
+        (state_dir / "spool" / node).mkdir(exist_ok=True)
+    conf = state_dir / "slurm.conf"
+    conf.write_text(render_config(state_dir, nodes, _free_ports(nodes + 1), len(os.sched_getaffinity(0))))
+    env = {**os.environ, **slurm_env(state_dir)}
+    commands = {"slurmctld": [_which("slurmctld") or "slurmctld", "-D", "-f", str(conf)]}
+    for node in _node_names(nodes):
+        commands[node] = [_which("slurmd") or "slurmd", "-D", "-N", node, "-f", str(conf)]
+    cluster = LocalSlurm(state_dir=state_dir, nodes=_node_names(nodes), daemons={}, started=True)
+    try:
+        for name, command in commands.items():
+            child = _spawn(command, _output_file(state_dir, name), env)
+            cluster._children.append(child)
+            stat = _proc_stat(child.pid)
+            cluster.daemons[name] = (child.pid, stat[1] if stat else 0)
+        cluster._record()
+        cluster._wait_until_idle(timeout)
+    except BaseException:
+        with contextlib.suppress(UserError):
+            cluster.stop(timeout=5)
+        raise
+    return cluster
+
+
+def stop(state_dir: Path = DEFAULT_STATE_DIR) -> bool:
+    """Stop what runs of the cluster of state_dir; False if none of its daemons was running."""
+    cluster = recorded(state_dir.resolve())
+    if cluster is None:
+        return False
+    was_running = any(cluster.alive().values())
+    cluster.stop()
+    return was_running
+
+
+# --- command line ------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 done (status: running), 1 status: partly running, 2 error, 3 status: not running."""
+    parser = argparse.ArgumentParser(prog="python -m training.local_slurm", description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["up", "down", "status"])
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="default: %(default)s")
+    parser.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="for up; default: %(default)s")
+    args = parser.parse_args(argv)
+    state_dir: Path = args.state_dir.resolve()
+    try:
+        if args.action == "up":
+            began = time.monotonic()
+            cluster = start(state_dir, args.nodes)
+            if cluster.started:
+                print(f"local Slurm up in {time.monotonic() - began:.1f} s: {len(cluster.nodes)} nodes, {state_dir}")
+            else:
+                print(f"local Slurm already running: {len(cluster.nodes)} nodes, {state_dir}")
+            print(f"export SLURM_CONF={cluster.conf}")
+        elif args.action == "down":
+            print(f"local Slurm stopped ({state_dir})" if stop(state_dir) else f"local Slurm not running ({state_dir})")
+        else:
+            cluster_or_none = recorded(state_dir)
+            alive = cluster_or_none.alive() if cluster_or_none else {}
+            if not any(alive.values()):
+                print(f"local Slurm not running ({state_dir})")
+                return 3
+            if not all(alive.values()):
+                dead = ", ".join(name for name, up in alive.items() if not up)
+                print(
+                    f"local Slurm partly running ({state_dir}): {dead} exited (logs in {state_dir / 'log'}); run down"
+                )
+                return 1
+            assert cluster_or_none is not None
+            pids = ", ".join(f"{name} {pid}" for name, (pid, _) in cluster_or_none.daemons.items())
+            print(f"local Slurm running ({state_dir}): {pids}")
+            print(f"export SLURM_CONF={cluster_or_none.conf}")
+            print(cluster_or_none.sinfo().rstrip())
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

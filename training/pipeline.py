@@ -1,0 +1,369 @@
+"""A run as one graph of Slurm jobs: prepare || convert -> compile -> train -> convert back -> sample -> export.
+
+`submit` renders one job script per stage from the recipe and the site settings (`assets/slurm/*.j2`),
+submits them with `afterok` dependencies (independent stages in parallel) and records the run in
+`<runs_root>/<run_id>/run.json`. Each job touches `state/<stage>.done` as its last act, so a failed or
+cancelled run is resumed from its first unfinished stage by submitting the same run id again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.errors import UserError
+from training.recipe import Recipe, load_recipe, recipe_as_dict
+
+TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().parent.parent / "assets" / "slurm"))
+ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where and how the jobs run: the local demo's defaults, or an env file written for the cluster."""
+
+    name: str = "local"
+    runs_root: str = "work/runs"
+    results: str = "work/results"  # a directory, or s3://bucket/prefix: the export stage copies the run there
+    python: str | None = None  # interpreter on the nodes (default: the one running `submit`)
+    setup: tuple[str, ...] = ()  # shell lines run first in every job (e.g. `source /fsx/envs/x/bin/activate`)
+    partition: str | None = None
+    processes_per_node: int | None = None  # default: the recipe's tp (one node holds one TP group)
+    exclusive: bool = False
+    neuron: bool = False  # Neuron environment variables and neuron_parallel_compile for the compile stage
+    efa: bool = False
+    compile_cache: str = "/fsx/neuron-cache"
+    max_restarts: int = 3  # requeues of a failed training job before it fails for good
+    time_minutes: int = 0  # per-job time limit; 0: none
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    after: tuple[str, ...]
+    distributed: bool = False
+
+
+STAGES = (
+    Stage("prepare", ()),
+    Stage("convert-in", ()),
+    Stage("compile", ("prepare", "convert-in"), distributed=True),
+    Stage("train", ("compile",), distributed=True),
+    Stage("convert-out", ("train",)),
+    Stage("sample", ("convert-out",)),
+    Stage("export", ("sample",)),
+)
+
+
+@dataclass
+class RunPlan:
+    run_id: str
+    run_dir: Path
+    recipe: Recipe
+    settings: dict[str, Any]  # the run's recipe, paths resolved: what every job reads
+    site: Site
+    stages: list[Stage] = field(default_factory=list)
+
+
+def load_site(path: Path | None) -> Site:
+    if path is None:
+        return Site()
+    from training.recipe import _build
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise UserError(f"--env-file {path}: cannot read ({error})".replace("\n", " ")) from None
+    problems: list[str] = []
+    site = _build(Site, raw or {}, "", problems)
+    if problems:
+        raise UserError(f"--env-file {path}: " + "; ".join(problems))
+    return site  # type: ignore[no-any-return]
+
+
+def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
+    """The run's directory, resolved recipe and stages; pure apart from reading the clock for a new id."""
+    run_id = run_id or f"{recipe.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+    if not RUN_ID.match(run_id):
+        raise UserError(f"--run-id {run_id!r}: use letters, digits, '.', '_' and '-' (at most 64)")
+    run_dir = Path(site.runs_root).absolute() / run_id
+    settings = recipe_as_dict(recipe)
+    settings["model"]["config"] = str(Path(recipe.model.config).absolute())
+    stages = [s for s in STAGES if s.name not in ("prepare", "convert-in")]
+    if recipe.prepare is not None:
+        settings["data"]["path"] = str(run_dir / "data")
+        settings["prepare"]["source"] = _absolute_if_local(recipe.prepare.source)
+        settings["prepare"]["tokenizer"] = str(Path(recipe.prepare.tokenizer or recipe.model.config).absolute())
+        stages.insert(0, STAGES[0])
+    else:
+        settings["data"]["path"] = str(Path(recipe.data.path).absolute())
+    if recipe.model.pretrained is not None:
+        settings["model"]["pretrained"] = str(run_dir / "pretrained_weight")
+        stages.insert(1 if recipe.prepare is not None else 0, STAGES[1])
+    settings["checkpoint"]["dir"] = str(run_dir / "checkpoints")
+    return RunPlan(run_id, run_dir, recipe, settings, site, stages)
+
+
+def _absolute_if_local(source: str) -> str:
+    return str(Path(source).absolute()) if Path(source).exists() else source
+
+
+def stage_command(plan: RunPlan, stage: Stage) -> str:
+    """The command a single-node stage runs (the distributed ones are in `distributed.sbatch.j2`)."""
+    python, run, settings = _python(plan.site), plan.run_dir, plan.settings
+    if stage.name == "prepare":
+        prepare = settings["prepare"]
+        arguments = [
+            f"{python} -m training prepare {prepare['kind']}",
+            f"--source {prepare['source']}",
+            f"--tokenizer {prepare['tokenizer']}",
+            f"--seq-len {settings['batch']['seq_len']}",
+            f"--out {run}/data",
+            '--num-proc "$(nproc)"',
+        ]
+        if prepare.get("validation"):
+            arguments.append(f"--validation {prepare['validation']}")
+        if prepare.get("max_records"):
+            limit = "--max-documents" if prepare["kind"] == "pretrain" else "--max-examples"
+            arguments.append(f"{limit} {prepare['max_records']}")
+        return " \\\n    ".join(arguments)
+    if stage.name == "convert-in":
+        parallelism = settings["parallelism"]
+        arguments = [
+            f"{python} -m training convert --from hf --to nxd",
+            f"--input {settings['model']['config']}",
+            f"--output {run}/pretrained_weight",
+            f"--tp {parallelism['tp']}",
+        ]
+        if parallelism.get("kv_size_multiplier"):
+            arguments.append(f"--kv-size-multiplier {parallelism['kv_size_multiplier']}")
+        if parallelism.get("fuse_qkv"):
+            arguments.append("--fuse-qkv")
+        if settings["checkpoint"].get("xser"):
+            arguments.append("--xser")
+        return " \\\n    ".join(arguments)
+    if stage.name == "convert-out":
+        return f"{python} -m training convert --from nxd --to hf --input {run}/checkpoints --output {run}/hf"
+    if stage.name == "sample":
+        return f"{python} -m training sample --recipe {run}/recipe.yaml --model {run}/hf --out {run}/samples.json"
+    if stage.name == "export":
+        return f"{python} -m training export --run-dir {run} --to {plan.site.results.rstrip('/')}/{plan.run_id}"
+    raise ValueError(f"{stage.name} is a distributed stage")
+
+
+def _python(site: Site) -> str:
+    return site.python or sys.executable
+
+
+def render(plan: RunPlan) -> dict[str, str]:
+    """Job script per stage, in submission order."""
+    import jinja2
+
+    environment = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined, keep_trailing_newline=True
+    )
+    site, recipe = plan.site, plan.recipe
+    scripts = {}
+    for stage in plan.stages:
+        context: dict[str, Any] = {
+            "run_id": plan.run_id,
+            "run_dir": str(plan.run_dir),
+            "stage": stage.name,
+            "recipe_name": recipe.name,
+            "site_name": site.name,
+            "nodes": recipe.nodes if stage.distributed else 1,
+            "time_minutes": site.time_minutes,
+            "exclusive": site.exclusive,
+            "partition": site.partition,
+            "requeue": stage.name == "train",
+            "setup": site.setup,
+            "neuron": site.neuron,
+            "efa": site.efa,
+            "compile_cache": site.compile_cache,
+            "python": _python(site),
+        }
+        if stage.distributed:
+            context |= {
+                "processes_per_node": site.processes_per_node or recipe.parallelism.tp,
+                "launcher": "neuron_parallel_compile " if stage.name == "compile" and site.neuron else "",
+                "train_arguments": "--compile" if stage.name == "compile" else "--resume latest",
+                "max_restarts": site.max_restarts,
+            }
+            scripts[stage.name] = environment.get_template("distributed.sbatch.j2").render(context)
+        else:
+            context["command"] = stage_command(plan, stage)
+            scripts[stage.name] = environment.get_template("single.sbatch.j2").render(context)
+    return scripts
+
+
+# --- Slurm ----------------------------------------------------------------------------------------------
+
+
+def _slurm(*command: str) -> str:
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise UserError(f"{command[0]}: not found; run on a Slurm head node (or start the local Slurm)") from None
+    if result.returncode:
+        raise UserError(f"{' '.join(command[:2])} failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result.stdout
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """`scontrol show job -o` as a dict; empty when Slurm no longer knows the job."""
+    result = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False)
+    if result.returncode or not result.stdout.strip():
+        return {}
+    fields: dict[str, str] = {}
+    for token in result.stdout.split():
+        key, _, value = token.partition("=")
+        fields.setdefault(key, value)
+    return fields
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "run.json"
+    if not path.is_file():
+        raise UserError(f"{run_dir}: no run.json (not a run submitted by `python -m training submit`)")
+    return dict(json.loads(path.read_text()))
+
+
+def latest_jobs(run: dict[str, Any]) -> dict[str, str]:
+    """Stage -> the job id of its newest submission."""
+    jobs: dict[str, str] = {}
+    for submission in run.get("submissions", []):
+        jobs.update(submission["jobs"])
+    return jobs
+
+
+def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: Site, dry_run: bool) -> dict[str, Any]:
+    recipe = load_recipe(recipe_file, overrides)
+    plan = plan_run(recipe, site, run_id)
+    scripts = render(plan)
+    if dry_run:
+        for stage in plan.stages:
+            after = [a for a in stage.after if a in scripts]
+            print(f"# ---- {stage.name} (after: {', '.join(after) or 'nothing'})\n{scripts[stage.name]}")
+        return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "dry_run": True, "stages": list(scripts)}
+    previous = read_run(plan.run_dir) if (plan.run_dir / "run.json").is_file() else None
+    if previous is not None:
+        if previous["settings"] != plan.settings:
+            raise UserError(
+                f"run {plan.run_id} was submitted with other settings; submit with a new --run-id "
+                f"(or the same recipe and overrides to resume it)"
+            )
+        active = {s: j for s, j in latest_jobs(previous).items() if job_info(j).get("JobState") in ACTIVE_STATES}
+        if active:
+            print(f"run {plan.run_id} is queued or running (jobs {', '.join(active.values())}); nothing submitted")
+            return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": active, "submitted": False}
+    todo = [s for s in plan.stages if not (plan.run_dir / "state" / f"{s.name}.done").exists()]
+    if not todo:
+        print(f"run {plan.run_id} has finished every stage; nothing submitted")
+        return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": {}, "submitted": False}
+    for folder in ("jobs", "logs", "state"):
+        (plan.run_dir / folder).mkdir(parents=True, exist_ok=True)
+    (plan.run_dir / "recipe.yaml").write_text(yaml.safe_dump(plan.settings, sort_keys=False))
+    jobs: dict[str, str] = {}
+    for stage in todo:
+        script = plan.run_dir / "jobs" / f"{stage.name}.sbatch"
+        script.write_text(scripts[stage.name])
+        dependencies = [jobs[a] for a in stage.after if a in jobs]
+        command = ["sbatch", "--parsable"] + (
+            [f"--dependency=afterok:{':'.join(dependencies)}"] if dependencies else []
+        )
+        jobs[stage.name] = _slurm(*command, str(script)).strip().split(";")[0]
+    run = previous or {
+        "run_id": plan.run_id,
+        "recipe": recipe.name,
+        "recipe_file": str(Path(recipe_file).absolute()) if Path(recipe_file).exists() else recipe_file,
+        "overrides": overrides,
+        "settings": plan.settings,
+        "site": asdict(site),
+        "stages": [s.name for s in plan.stages],
+        "submissions": [],
+    }
+    run["submissions"].append({"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "jobs": jobs})
+    (plan.run_dir / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    resumed = f" (resuming at {todo[0].name})" if previous is not None else ""
+    print(f"run {plan.run_id}: submitted {', '.join(f'{s}={j}' for s, j in jobs.items())}{resumed}")
+    return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": jobs, "submitted": True}
+
+
+def find_run_dir(site: Site, run_id: str | None) -> Path:
+    root = Path(site.runs_root).absolute()
+    if run_id:
+        return root / run_id
+    runs = sorted((p for p in root.glob("*/run.json")), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    if not runs:
+        raise UserError(f"no runs under {root}")
+    return runs[-1].parent
+
+
+def stage_states(run_dir: Path) -> list[dict[str, Any]]:
+    """Per stage: job id, Slurm state, elapsed time, and for the training stage the last logged metrics."""
+    run = read_run(run_dir)
+    jobs = latest_jobs(run)
+    rows = []
+    for stage in run["stages"]:
+        job = jobs.get(stage, "")
+        info = job_info(job) if job else {}
+        done = (run_dir / "state" / f"{stage}.done").exists()
+        state = info.get("JobState") or ("COMPLETED" if done else "UNKNOWN")
+        row: dict[str, Any] = {"stage": stage, "job": job, "state": state, "elapsed": info.get("RunTime", "")}
+        if info.get("Reason") and info["Reason"] != "None":
+            row["reason"] = info["Reason"]
+        if stage == "train":
+            metrics = run_dir / "checkpoints" / "metrics.jsonl"
+            if metrics.is_file() and (lines := metrics.read_text().splitlines()):
+                last = json.loads(lines[-1])
+                row["note"] = f"step {last['step']} loss {last['loss']:.4f} {last['seq_per_second']:.2f} seq/s"
+        if state not in ("COMPLETED", "PENDING", "RUNNING", "UNKNOWN") and job:
+            log = run_dir / "logs" / f"{stage}-{job}.out"
+            row["log"] = str(log)
+            row["log_tail"] = log.read_text(errors="replace").splitlines()[-10:] if log.is_file() else []
+        rows.append(row)
+    return rows
+
+
+def print_status(run_dir: Path) -> list[dict[str, Any]]:
+    rows = stage_states(run_dir)
+    print(f"run {run_dir.name} ({run_dir})")
+    print(f"{'stage':<12} {'job':>8} {'state':<12} {'elapsed':>10}  note")
+    for row in rows:
+        note = row.get("note") or row.get("reason") or ""
+        print(f"{row['stage']:<12} {row['job']:>8} {row['state']:<12} {row['elapsed']:>10}  {note}")
+    for row in rows:
+        if row.get("log"):
+            print(f"\n{row['stage']} ended {row['state']}; last lines of {row['log']}:")
+            print("\n".join(f"  {line}" for line in row["log_tail"]))
+    return rows
+
+
+def cancel(run_dir: Path) -> list[str]:
+    run = read_run(run_dir)
+    jobs = sorted({j for submission in run["submissions"] for j in submission["jobs"].values()}, key=int)
+    if jobs:
+        _slurm("scancel", *jobs)
+    print(f"run {run_dir.name}: cancelled jobs {', '.join(jobs) or '(none)'}")
+    return jobs
+
+
+def wait(run_dir: Path, timeout: float, poll: float = 1.0) -> list[dict[str, Any]]:
+    """Stage states once no job of the run is queued or running (or the timeout passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = stage_states(run_dir)
+        if not any(row["state"] in ACTIVE_STATES for row in rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(poll)
