@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 from aws_cdk import (
@@ -28,11 +29,17 @@ from aws_cdk import (
 )
 from constructs import Construct
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
 from stacks.pcluster_config import ClusterResources, build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
 
 BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "node" / "on_node_configured.sh"
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 # ParallelCluster's provider may attach only policies under this path (or named parallelcluster*).
 PARALLELCLUSTER_POLICY_PATH = "/parallelcluster/"
 
@@ -53,6 +60,14 @@ def pinned_neuron_release(script: str) -> str:
     return match.group(1)
 
 
+def training_requirements(pyproject: Path = PYPROJECT) -> tuple[str, ...]:
+    """The training package's pinned dependencies, for the shared environment on the cluster: torch comes
+    from the Neuron packages there, so it is left out (one list of pins: pyproject.toml)."""
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["training"]
+    base = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    return tuple(r for r in (*base, *extras) if not r.lower().startswith("torch=="))
+
+
 def bootstrap_arguments(config: EnvironmentConfig, neuron_release: str) -> tuple[str, ...]:
     """Arguments of the OnNodeConfigured script; the shared environment lives on the file system."""
     return (
@@ -60,6 +75,8 @@ def bootstrap_arguments(config: EnvironmentConfig, neuron_release: str) -> tuple
         neuron_release,
         "--shared-env",
         shared_env_path(config, neuron_release),
+        "--extra-pip",
+        ",".join(training_requirements()),
     )
 
 
@@ -80,6 +97,7 @@ class Cluster(Construct):
     ) -> None:
         super().__init__(scope, construct_id)
         self.bootstrap_script = s3_assets.Asset(self, "BootstrapScript", path=str(BOOTSTRAP_SCRIPT))
+        self.neuron_release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
         self.head_node_policy = self._node_policy("HeadNodePolicy", config, bucket, write=True)
         self.compute_node_policy = self._node_policy("ComputeNodePolicy", config, bucket, write=False)
 
@@ -96,7 +114,7 @@ class Cluster(Construct):
             head_node_policy_arn=self.head_node_policy.managed_policy_arn,
             compute_node_policy_arn=self.compute_node_policy.managed_policy_arn,
             bootstrap_script_url=self.bootstrap_script.s3_object_url,
-            bootstrap_args=bootstrap_arguments(config, pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())),
+            bootstrap_args=bootstrap_arguments(config, self.neuron_release),
         )
         self.resource = CustomResource(
             self,

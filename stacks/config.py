@@ -99,6 +99,17 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """What `cdk deploy` starts on the cluster once it exists (a bundled recipe of training/recipes/)."""
+
+    # Off by default: the recipe's Hugging Face model must first be uploaded to s3://<bucket>/fsx/models/.
+    start_run: bool = False
+    recipe: str = "llama31-8b-cpt"
+    overrides: tuple[str, ...] = ()  # recipe key=value overrides, e.g. "steps=100"
+    timeout_minutes: int = 30  # bound on any wait of the deploy/destroy hooks (below CloudFormation's hour)
+
+
+@dataclass(frozen=True)
 class EnvironmentConfig:
     """One deployable environment: everything `cdk deploy -c env=NAME` needs."""
 
@@ -112,6 +123,7 @@ class EnvironmentConfig:
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tags: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -203,7 +215,22 @@ def validate(config: EnvironmentConfig) -> list[str]:
     for key, value in config.tags.items():
         if key.lower().startswith("aws:") or not 1 <= len(key) <= 128 or len(value) > 256:
             bad(f"tags.{key}", value, "allowed: keys of 1-128 characters not starting with 'aws:', values up to 256")
+    _validate_pipeline(config.pipeline, bad)
     return problems
+
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "training" / "recipes"
+
+
+def _validate_pipeline(pipeline: PipelineConfig, bad: typing.Callable[[str, Any, str], None]) -> None:
+    bundled = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if not p.stem.startswith("tiny-"))
+    if pipeline.recipe not in bundled:
+        bad("pipeline.recipe", pipeline.recipe, f"allowed: a bundled recipe ({', '.join(bundled)})")
+    for override in pipeline.overrides:
+        if "=" not in override or override.startswith("="):
+            bad("pipeline.overrides", override, "allowed: recipe overrides as 'section.key=value'")
+    if not 1 <= pipeline.timeout_minutes <= 55:
+        bad("pipeline.timeout_minutes", pipeline.timeout_minutes, "allowed: 1 to 55 (CloudFormation waits an hour)")
 
 
 def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, str], None]) -> None:
@@ -301,6 +328,11 @@ def _coerce(hint: Any, value: Any, path: str, problems: list[str]) -> Any:
         if value not in choices:
             problems.append(f"{path}: {value!r} is not allowed; allowed: {', '.join(map(str, choices))}")
         return value
+    if origin is tuple:
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            problems.append(f"{path}: {value!r} is not allowed; allowed: a list of strings")
+            return value
+        return tuple(value)
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             problems.append(f"{path}: {value!r} is not allowed; allowed: a mapping of strings to strings")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from aws_cdk import Acknowledgment, Stack, Validations
 
+from stacks.pipeline import BUCKET_DEPLOYMENT_HANDLER
+
 
 @dataclass(frozen=True)
 class Acknowledgement:
@@ -49,9 +51,75 @@ ACKNOWLEDGEMENTS = (
 )
 
 
+# CDK's BucketDeployment handler (one per stack, named by CDK) that copies the training code to the bucket.
+BUCKET_DEPLOYMENT = BUCKET_DEPLOYMENT_HANDLER
+BASIC_EXECUTION = (
+    "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole]"
+)
+
+
+def pipeline_acknowledgements(region: str) -> tuple[Acknowledgement, ...]:
+    """The post-deploy trigger's findings: CDK-managed framework code, and the handler role's scoped wildcards."""
+    deployment = (
+        "CDK's BucketDeployment handler (runtime, role and policy managed by aws-cdk-lib) copies this commit's "
+        "training code from the CDK asset bucket to the pipeline/source/ prefix of this environment's bucket; "
+        "its actions are CDK's grantRead/grantWrite sets on exactly those two buckets."
+    )
+    provider = (
+        "CDK's custom-resource Provider framework (functions, waiter state machine, roles managed by "
+        "aws-cdk-lib): its roles may only invoke this environment's two pipeline handlers (:* is their versions); it "
+        "carries no data, and the handlers log to their own log groups."
+    )
+    handler = {
+        "Resource::*": "ssm:GetCommandInvocation and ssm:DescribeInstanceInformation have no resource-level "
+        "permissions; they read only the status of this trigger's commands and of the head node.",
+        "Resource::<StorageResultsB2A4FB2E.Arn>/pipeline/ssm-output/*": "reads the output of its own SSM "
+        "commands under one prefix of this environment's bucket (key names are per command).",
+        "Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:<AWS::AccountId>:instance/*": "ssm:SendCommand is "
+        "limited by the ssm:resourceTag conditions to the instance tagged as this cluster's head node (its id "
+        "is known only after the cluster exists).",
+        "Resource::arn:<AWS::Partition>:fsx:<AWS::Region>:<AWS::AccountId>:task/*": "the export task of this "
+        "file system gets its id when created; creating one is allowed only on this file system's ARN.",
+    }
+    bucket_actions = ("s3:Abort*", "s3:DeleteObject*", "s3:GetBucket*", "s3:GetObject*", "s3:List*")
+    bucket_resources = (
+        "<StorageResultsB2A4FB2E.Arn>/*",
+        f"arn:aws:s3:::cdk-hnb659fds-assets-<AWS::AccountId>-{region}/*",
+    )
+    framework_functions = (
+        "PipelineIsComplete2E67271D",
+        "PipelineOnEvent98D05BAA",
+        "PipelineProviderframeworkisComplete92DCF7DE",
+        "PipelineProviderframeworkonTimeout036420E7",
+    )
+    return (
+        Acknowledgement(BUCKET_DEPLOYMENT, "AwsSolutions-L1", deployment),
+        Acknowledgement(f"{BUCKET_DEPLOYMENT}/ServiceRole", BASIC_EXECUTION, deployment),
+        *(
+            Acknowledgement(f"{BUCKET_DEPLOYMENT}/ServiceRole", f"AwsSolutions-IAM5[Action::{a}]", deployment)
+            for a in bucket_actions
+        ),
+        *(
+            Acknowledgement(f"{BUCKET_DEPLOYMENT}/ServiceRole", f"AwsSolutions-IAM5[Resource::{r}]", deployment)
+            for r in bucket_resources
+        ),
+        *(
+            Acknowledgement("Pipeline/HandlerRole", f"AwsSolutions-IAM5[{rule}]", reason)
+            for rule, reason in handler.items()
+        ),
+        Acknowledgement("Pipeline/Provider", BASIC_EXECUTION, provider),
+        *(
+            Acknowledgement("Pipeline/Provider", f"AwsSolutions-IAM5[Resource::<{f}.Arn>:*]", provider)
+            for f in framework_functions
+        ),
+        Acknowledgement("Pipeline/Provider", "AwsSolutions-SF1", provider + " Each poll is logged by the handlers."),
+        Acknowledgement("Pipeline/Provider", "AwsSolutions-SF2", provider + " X-Ray adds nothing to a 3-step poll."),
+    )
+
+
 def acknowledge_reviewed_findings(stack: Stack) -> None:
     """Attach each acknowledgement to the narrowest construct it concerns."""
-    for acknowledgement in ACKNOWLEDGEMENTS:
+    for acknowledgement in (*ACKNOWLEDGEMENTS, *pipeline_acknowledgements(stack.region)):
         construct = stack.node.find_child(acknowledgement.path.split("/")[0])
         for part in acknowledgement.path.split("/")[1:]:
             construct = construct.node.find_child(part)

@@ -8,6 +8,7 @@ from constructs import Construct
 from stacks.cluster import Cluster
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
 from stacks.network import Network
+from stacks.pipeline import Pipeline
 from stacks.storage import Storage
 
 
@@ -53,6 +54,15 @@ class TrainingEnvironmentStack(Stack):
         )
 
         head_node = self.cluster.head_node_instance_id
+        self.pipeline = Pipeline(
+            self,
+            "Pipeline",
+            config=config,
+            bucket=self.storage.bucket,
+            file_system=self.storage.file_system,
+            head_node_instance_id=head_node,
+            neuron_release=self.cluster.neuron_release,
+        )
         CfnOutput(self, "ClusterName", value=config.cluster_name, description="ParallelCluster cluster name")
         CfnOutput(self, "HeadNodeInstanceId", value=head_node, description="EC2 instance id of the head node")
         CfnOutput(
@@ -63,3 +73,11 @@ class TrainingEnvironmentStack(Stack):
         )
         CfnOutput(self, "ResultsBucketName", value=self.storage.bucket.bucket_name, description="Kept on destroy")
         CfnOutput(self, "FileSystemId", value=self.storage.file_system.file_system_id, description="FSx for Lustre")
+        CfnOutput(
+            self,
+            "PipelineRunId",
+            value=self.pipeline.run_id,
+            description="Run started by this deployment (empty when pipeline.start_run is false)",
+        )
+        CfnOutput(self, "PipelineRunDirectory", value=self.pipeline.run_dir, description="On the cluster's /fsx")
+        CfnOutput(self, "PipelineJobIds", value=self.pipeline.job_ids, description="Slurm job id per stage")

@@ -5,7 +5,7 @@
 # CustomActions.OnNodeConfigured.Args as positional arguments:
 #
 #   on_node_configured.sh --neuron-release 2.28.1 --shared-env /fsx/envs/neuron-2.28.1
-#                         [--pip-index URL] [--apt-suite NAME] [--node-type head|compute]
+#                         [--pip-index URL] [--extra-pip REQS] [--apt-suite NAME] [--node-type head|compute]
 #                         [--skip-hosts-fix] [--dry-run]
 #
 # What it does, by node type:
@@ -81,6 +81,7 @@ APT_LOCK_TIMEOUT_SECONDS=300        # unattended-upgrades may hold the dpkg lock
 ARG_NEURON_RELEASE=""
 ARG_SHARED_ENV=""
 ARG_PIP_INDEX="${DEFAULT_PIP_INDEX}"
+ARG_EXTRA_PIP=""
 ARG_APT_SUITE=""
 ARG_NODE_TYPE=""
 ARG_SKIP_HOSTS_FIX=0
@@ -116,6 +117,8 @@ Required:
                            e.g. /fsx/envs/neuron-${NEURON_RELEASE}.
 Options:
   --pip-index URL          Extra pip index for the Neuron wheels (default ${DEFAULT_PIP_INDEX}).
+  --extra-pip REQS         Comma-separated pinned requirements installed into the shared venv after the
+                           Neuron packages, never changing them (the training package's dependencies).
   --apt-suite NAME         Suite of the Neuron apt repository (default: VERSION_CODENAME of the OS).
   --node-type head|compute Skip node type detection from ${PCLUSTER_CFNCONFIG}.
   --skip-hosts-fix         Do not remove the node's hostname line from ${HOSTS_FILE}.
@@ -171,6 +174,7 @@ set_option() {
     --neuron-release) ARG_NEURON_RELEASE=${value} ;;
     --shared-env) ARG_SHARED_ENV=${value} ;;
     --pip-index) ARG_PIP_INDEX=${value} ;;
+    --extra-pip) ARG_EXTRA_PIP=${value} ;;
     --apt-suite) ARG_APT_SUITE=${value} ;;
     --node-type) ARG_NODE_TYPE=${value} ;;
     *) usage_error "unknown argument: '${name}'" ;;
@@ -192,7 +196,7 @@ parse_args() {
         ARG_SKIP_HOSTS_FIX=1
         shift
         ;;
-      --neuron-release | --shared-env | --pip-index | --apt-suite | --node-type)
+      --neuron-release | --shared-env | --pip-index | --extra-pip | --apt-suite | --node-type)
         if (($# < 2)) || [[ "$2" == --* ]]; then
           usage_error "$1 requires a value"
         fi
@@ -459,7 +463,8 @@ install_head_packages() {
 shared_env_complete() {
   local dir=$1
   [[ -x "${dir}/bin/python" && -f "${dir}/${ENV_MARKER}" ]] &&
-    grep -qx "neuron_release=${NEURON_RELEASE}" "${dir}/${ENV_MARKER}"
+    grep -qx "neuron_release=${NEURON_RELEASE}" "${dir}/${ENV_MARKER}" &&
+    grep -qxF "extra_pip=${ARG_EXTRA_PIP}" "${dir}/${ENV_MARKER}"
 }
 
 # Fail unless the installed versions equal the pins (pip must not have picked anything else, e.g.
@@ -490,6 +495,18 @@ install_pip_packages() {
   local pip=("${python}" -m pip install --no-cache-dir --disable-pip-version-check --timeout 60 --retries 5)
   run "${pip[@]}" --upgrade pip
   run "${pip[@]}" --extra-index-url "${ARG_PIP_INDEX}" "${NEURON_PIP_PINS[@]}"
+  if [[ -n "${ARG_EXTRA_PIP}" ]]; then
+    local extra constraints
+    IFS=, read -r -a extra <<<"${ARG_EXTRA_PIP}"
+    # The Neuron packages (torch included) are constraints, so the extras never replace them.
+    constraints=$(dirname "${python}")/../neuron-pins.txt
+    if [[ "${DRY_RUN}" == 1 ]]; then
+      log "would write the Neuron pins to ${constraints}"
+    else
+      printf '%s\n' "${NEURON_PIP_PINS[@]}" >"${constraints}"
+    fi
+    run "${pip[@]}" --extra-index-url "${ARG_PIP_INDEX}" -c "${constraints}" "${extra[@]}"
+  fi
 }
 
 # Remove venv builds that an interrupted run left behind. Caller holds the lock. The directory
@@ -566,8 +583,8 @@ build_shared_env() {
   "${build}/bin/python" -m pip check || log "WARNING: pip check reports dependency problems"
   # Lets later installs into user venvs keep these versions: pip install -c <file> ...
   "${build}/bin/python" -m pip freeze --all >"${build}/neuron-constraints.txt"
-  printf 'neuron_release=%s\nbuilt=%s\n' "${NEURON_RELEASE}" "$(date -u '+%Y-%m-%dT%H:%M:%SZ')" \
-    >"${build}/${ENV_MARKER}"
+  printf 'neuron_release=%s\nextra_pip=%s\nbuilt=%s\n' "${NEURON_RELEASE}" "${ARG_EXTRA_PIP}" \
+    "$(date -u '+%Y-%m-%dT%H:%M:%SZ')" >"${build}/${ENV_MARKER}"
 
   local link="${parent}/.${name}.link-$$"
   ln -sfn "$(basename "${build}")" "${link}"

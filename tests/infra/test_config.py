@@ -76,7 +76,22 @@ RULES = {
     "unknown top-level key": (
         {"vpc": {"cidr": "10.0.0.0/16"}},
         "environments-under-test/candidate.yaml: vpc: unknown key; allowed keys here: region, availability_zone, "
-        "cluster_name, os, network, head_node, compute, storage, logging, tags",
+        "cluster_name, os, network, head_node, compute, storage, logging, pipeline, tags",
+    ),
+    "pipeline recipe not bundled": (
+        {"pipeline.recipe": "gpt-oss"},
+        "environments-under-test/candidate.yaml: pipeline.recipe: 'gpt-oss' is not allowed; allowed: a bundled "
+        "recipe (llama31-8b-cpt, mixtral-8x7b-sft)",
+    ),
+    "pipeline override without =": (
+        {"pipeline.overrides": ["steps"]},
+        "environments-under-test/candidate.yaml: pipeline.overrides: 'steps' is not allowed; allowed: recipe "
+        "overrides as 'section.key=value'",
+    ),
+    "pipeline timeout beyond CloudFormation's hour": (
+        {"pipeline.timeout_minutes": 90},
+        "environments-under-test/candidate.yaml: pipeline.timeout_minutes: 90 is not allowed; allowed: 1 to 55 "
+        "(CloudFormation waits an hour)",
     ),
     "wrong type": (
         {"compute.max_count": "four"},

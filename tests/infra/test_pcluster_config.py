@@ -131,11 +131,12 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
     release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
     assert re.fullmatch(r"\d+\.\d+\.\d+", release)
     config = load_environment("default", ENVIRONMENTS_DIR)
-    assert bootstrap_arguments(config, release) == (
-        "--neuron-release",
-        release,
-        "--shared-env",
-        f"/fsx/envs/neuron-{release}",
-    )
+    arguments = bootstrap_arguments(config, release)
+    assert arguments[:4] == ("--neuron-release", release, "--shared-env", f"/fsx/envs/neuron-{release}")
+    # The training package's pins from pyproject.toml go into the shared venv; torch comes from Neuron.
+    assert arguments[4] == "--extra-pip"
+    pins = arguments[5].split(",")
+    assert "transformers==5.23.0" in pins and "PyYAML==6.0.3" in pins and "Jinja2==3.1.6" in pins
+    assert not any(pin.startswith("torch==") for pin in pins)
     with pytest.raises(ValueError, match="pins no NEURON_RELEASE"):
         pinned_neuron_release("#!/bin/bash\n")

@@ -246,7 +246,8 @@ def test_bootstrap_script_is_an_asset_run_on_every_node(default_env: Synthesized
     assert head_action["Script"]["Fn::Sub"].startswith("s3://cdk-hnb659fds-assets-${AWS::AccountId}-us-west-2/")
     assert head_action["Script"]["Fn::Sub"].endswith(".sh")
     assert head_action["Args"][:2] == ["--neuron-release", head_action["Args"][1]]
-    assert head_action["Args"][2:] == ["--shared-env", f"/fsx/envs/neuron-{head_action['Args'][1]}"]
+    assert head_action["Args"][2:4] == ["--shared-env", f"/fsx/envs/neuron-{head_action['Args'][1]}"]
+    assert head_action["Args"][4] == "--extra-pip"
 
 
 def node_policy(env: Synthesized, which: str) -> dict[str, Any]:

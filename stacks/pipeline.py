@@ -1,0 +1,213 @@
+"""The post-deploy trigger: ships this commit's training code to the results bucket and, once the cluster
+exists, has the head node submit the recipe's Slurm pipeline; on destroy, cancels the run and exports the
+runs from FSx to S3 before the file system is deleted.
+
+CloudFormation waits only for the submission (seconds), never for training: the custom resource's handlers
+(`assets/lambda/pipeline_trigger/handler.py`) poll an SSM command and an FSx export task, bounded by
+`pipeline.timeout_minutes`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from aws_cdk import Aws, CustomResource, Duration, Stack
+from aws_cdk import aws_fsx as fsx
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_s3_deployment as s3_deployment
+from aws_cdk import aws_stepfunctions as sfn
+from aws_cdk import custom_resources as cr
+from constructs import Construct
+
+from stacks.config import EnvironmentConfig
+from stacks.log_groups import log_group_with_retention
+from stacks.pipeline_site import site_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+HANDLER_DIR = ROOT / "assets" / "lambda" / "pipeline_trigger"
+# What the head node needs to run the pipeline: the package, the job templates, the project metadata.
+SOURCE_PARTS = ("training", "assets", "pyproject.toml")
+SOURCE_EXCLUDE = ("__pycache__", ".pyc", ".mypy_cache", ".ruff_cache")
+SSM_OUTPUT_PREFIX = "pipeline/ssm-output/"
+# The id CDK gives the one BucketDeployment handler of a stack (a fixed UUID and the memory limit).
+BUCKET_DEPLOYMENT_HANDLER = "Custom::CDKBucketDeployment8693BB64968944B69AAFB0CC9EB8756C512MiB"
+
+
+def source_files(root: Path = ROOT) -> list[Path]:
+    """The shipped files, relative to the repository root, in a stable order."""
+    files: list[Path] = []
+    for part in SOURCE_PARTS:
+        path = root / part
+        candidates = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        files += [p.relative_to(root) for p in candidates if not any(x in str(p) for x in SOURCE_EXCLUDE)]
+    return files
+
+
+def source_hash(root: Path = ROOT) -> str:
+    """SHA-256 of the shipped files' names and contents: a new hash means a new run on the next deploy."""
+    digest = hashlib.sha256()
+    for relative in source_files(root):
+        digest.update(f"{relative.as_posix()}\0".encode())
+        digest.update((root / relative).read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+class Pipeline(Construct):
+    """The training pipeline tied to the stack's lifecycle (see the module docstring)."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: EnvironmentConfig,
+        bucket: s3.IBucket,
+        file_system: fsx.LustreFileSystem,
+        head_node_instance_id: str,
+        neuron_release: str,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        digest = source_hash()
+        prefix = f"pipeline/source/{digest}/"
+        staged = [f"!{part}" for part in SOURCE_PARTS] + [f"!{part}/**" for part in SOURCE_PARTS[:2]]
+        self.source = s3_deployment.BucketDeployment(
+            self,
+            "Source",
+            sources=[s3_deployment.Source.asset(str(ROOT), exclude=["*", *staged, "**/__pycache__", "**/*.pyc"])],
+            destination_bucket=bucket,
+            destination_key_prefix=prefix,
+            prune=False,  # earlier commits' sources stay: their runs may still read them
+            retain_on_delete=True,
+            memory_limit=512,
+        )
+
+        handler_code = lambda_.Code.from_asset(str(HANDLER_DIR), exclude=["__pycache__", "*.pyc"])
+        stack = Stack.of(self)
+        self.handler_role = iam.Role(
+            self,
+            "HandlerRole",
+            assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
+            description=f"Pipeline trigger of {config.cluster_name}: its head node, bucket and file system only",
+        )
+        self._grant(config, bucket, file_system)
+        functions = {}
+        for name, entry in (("OnEvent", "handler.on_event"), ("IsComplete", "handler.is_complete")):
+            logs = log_group_with_retention(self, f"{name}Logs", config.logging.retention_days)
+            logs.grant_write(self.handler_role)  # its own log groups, instead of the broad basic-execution policy
+            functions[name] = lambda_.Function(
+                self,
+                name,
+                runtime=lambda_.Runtime.PYTHON_3_14,
+                handler=entry,
+                code=handler_code,
+                role=self.handler_role,
+                timeout=Duration.minutes(1),
+                memory_size=256,
+                log_group=logs,
+            )
+        timeout = Duration.minutes(config.pipeline.timeout_minutes)
+        # The handlers fail with their own reason at `timeout`; the framework's bound comes later.
+        framework_timeout = Duration.seconds(timeout.to_seconds() + 120)
+        self.provider = cr.Provider(
+            self,
+            "Provider",
+            on_event_handler=functions["OnEvent"],
+            is_complete_handler=functions["IsComplete"],
+            query_interval=Duration.seconds(10),
+            total_timeout=framework_timeout,
+            log_group=log_group_with_retention(self, "ProviderLogs", config.logging.retention_days),
+        )
+        settings = site_settings(
+            config, neuron_release=neuron_release, results_uri=f"s3://{bucket.bucket_name}/results"
+        )
+        self.resource = CustomResource(
+            self,
+            "Resource",
+            resource_type="Custom::TrainingPipeline",
+            service_token=self.provider.service_token,
+            properties={
+                "EnvironmentName": config.name,
+                "ClusterName": config.cluster_name,
+                "HeadNodeInstanceId": head_node_instance_id,
+                "StartRun": "true" if config.pipeline.start_run else "false",
+                "Recipe": config.pipeline.recipe,
+                "RecipeOverrides": list(config.pipeline.overrides),
+                "SourceBucket": bucket.bucket_name,
+                "SourceKey": prefix,
+                "SourceHash": digest,
+                "SiteSettings": stack.to_json_string(settings),
+                "FileSystemId": file_system.file_system_id,
+                "FileSystemMountDir": config.storage.mount_dir,
+                "OutputBucket": bucket.bucket_name,
+                "OutputPrefix": SSM_OUTPUT_PREFIX,
+                "TimeoutSeconds": str(int(timeout.to_seconds())),
+            },
+        )
+        # The code must be in the bucket before the head node fetches it.
+        self.resource.node.add_dependency(self.source)
+        self._accept_redundant_role_dependencies()
+        self.run_id = self.resource.get_att_string("RunId")
+        self.run_dir = self.resource.get_att_string("RunDir")
+        self.job_ids = self.resource.get_att_string("JobIds")
+
+    def _accept_redundant_role_dependencies(self) -> None:
+        """Scope cfn-lint's W3005 exception to the Lambda functions and the state machine built here and
+        CDK's BucketDeployment handler: CDK writes both `DependsOn` and `Fn::GetAtt` to their roles (harmless,
+        not ours to change); only these resources ignore only that rule."""
+        deployment = Stack.of(self).node.try_find_child(BUCKET_DEPLOYMENT_HANDLER)
+        scopes = [self, deployment] if deployment is not None else [self]
+        for scope in scopes:
+            for construct in scope.node.find_all():
+                if isinstance(construct, lambda_.CfnFunction | sfn.CfnStateMachine):
+                    construct.add_metadata("cfn-lint", {"config": {"ignore_checks": ["W3005"]}})
+
+    def _grant(self, config: EnvironmentConfig, bucket: s3.IBucket, file_system: fsx.LustreFileSystem) -> None:
+        """Commands only to this cluster's head node; this bucket's output prefix; this file system."""
+        role = self.handler_role
+        instance_arn = f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:instance/*"
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ssm:SendCommand"],
+                resources=[instance_arn],
+                conditions={
+                    "StringEquals": {
+                        "ssm:resourceTag/parallelcluster:cluster-name": config.cluster_name,
+                        "ssm:resourceTag/parallelcluster:node-type": "HeadNode",
+                    }
+                },
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ssm:SendCommand"],
+                resources=[f"arn:{Aws.PARTITION}:ssm:{Aws.REGION}::document/AWS-RunShellScript"],
+            )
+        )
+        # These two have no resource-level permissions (IAM Service Authorization Reference).
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ssm:GetCommandInvocation", "ssm:DescribeInstanceInformation"], resources=["*"]
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(actions=["s3:GetObject"], resources=[bucket.arn_for_objects(f"{SSM_OUTPUT_PREFIX}*")])
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["fsx:CreateDataRepositoryTask"],
+                resources=[
+                    f"arn:{Aws.PARTITION}:fsx:{Aws.REGION}:{Aws.ACCOUNT_ID}:file-system/{file_system.file_system_id}",
+                    f"arn:{Aws.PARTITION}:fsx:{Aws.REGION}:{Aws.ACCOUNT_ID}:task/*",
+                ],
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["fsx:DescribeDataRepositoryTasks"],
+                resources=[f"arn:{Aws.PARTITION}:fsx:{Aws.REGION}:{Aws.ACCOUNT_ID}:task/*"],
+            )
+        )

@@ -1,0 +1,1014 @@
+"""Tests of the pipeline custom resource's Lambda handlers (assets/lambda/pipeline_trigger/handler.py).
+
+AWS is moto where moto implements the call (SSM SendCommand, GetCommandInvocation and ListCommands to
+read back what was sent; S3 for the command output SSM writes there), and botocore's Stubber, which checks
+parameters and responses against the real API models, where it does not: DescribeInstanceInformation (not
+implemented by moto 5.2), command statuses moto cannot produce (InProgress, Failed with output), and the
+FSx data repository tasks. The rendered scripts are checked with `bash -n` and run for real with bash
+against a fake `aws` command and a fake `training` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import boto3
+import pytest
+from botocore.response import StreamingBody
+from botocore.stub import Stubber
+from moto import mock_aws
+
+from training.pipeline import RUN_ID
+
+ROOT = Path(__file__).resolve().parents[2]
+HANDLER_FILE = ROOT / "assets" / "lambda" / "pipeline_trigger" / "handler.py"
+BASH = shutil.which("bash") or "/bin/bash"
+REGION = "us-west-2"
+NOW = 1_750_000_000.0
+HEAD_NODE = "i-0123456789abcdef0"
+FILE_SYSTEM = "fs-0123456789abcdef0"
+OUTPUT_BUCKET = "pipeline-command-output"
+COMMAND = "0b2f7f4e-2a55-4a3e-9a41-3c8d54f1e7a1"  # SSM command ids are UUIDs
+SITE = {
+    "name": "default",
+    "runs_root": "/fsx/runs",
+    "results": "s3://results-bucket/results",
+    "python": "/fsx/envs/neuron-2.28.1/bin/python",
+    "setup": [],
+    "partition": "compute1",
+    "processes_per_node": 32,
+    "exclusive": True,
+    "neuron": True,
+    "efa": True,
+    "compile_cache": "/fsx/neuron-cache",
+    "max_restarts": 3,
+    "time_minutes": 0,
+}
+RUN_RECORD = {
+    "run_id": "set-by-test",
+    "recipe": "llama31-8b-cpt",
+    "stages": ["prepare", "convert-in", "compile", "train", "convert-out", "sample", "export"],
+    "submissions": [
+        {"time": "2025-06-15T00:00:00+00:00", "jobs": {"prepare": "7", "convert-in": "8", "compile": "9"}},
+        {
+            "time": "2025-06-15T01:00:00+00:00",
+            "jobs": {"compile": "19", "train": "20", "convert-out": "21", "sample": "22", "export": "23"},
+        },
+    ],
+}
+JOB_IDS = "prepare=7,convert-in=8,compile=19,train=20,convert-out=21,sample=22,export=23"
+
+
+def load_handler() -> ModuleType:
+    """The asset is not a package (`lambda` is a keyword): load the file the Lambda runtime loads."""
+    spec = importlib.util.spec_from_file_location("pipeline_trigger_handler", HANDLER_FILE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    # No __pycache__ next to the handler: it would ship in the Lambda asset and change its hash.
+    writes, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = writes
+    return module
+
+
+handler = load_handler()
+
+
+# --- Events and clients -----------------------------------------------------------------------------------
+
+
+def properties(**changes: Any) -> dict[str, Any]:
+    """ResourceProperties as CloudFormation passes them (strings and lists of strings)."""
+    base: dict[str, Any] = {
+        "ServiceToken": "arn:aws:lambda:us-west-2:123456789012:function:provider-framework-onEvent",
+        "HeadNodeInstanceId": HEAD_NODE,
+        "ClusterName": "trn1-llama",
+        "StartRun": "true",
+        "Recipe": "llama31-8b-cpt",
+        "RecipeOverrides": ["steps=100", "batch.micro=1"],
+        "SourceBucket": "cdk-hnb659fds-assets-123456789012-us-west-2",
+        "SourceKey": "0a1b2c3d.zip",
+        "SourceHash": "0a1b2c3d",
+        "SiteSettings": json.dumps(SITE),
+        "FileSystemId": FILE_SYSTEM,
+        "FileSystemMountDir": "/fsx",
+        "OutputBucket": OUTPUT_BUCKET,
+        "OutputPrefix": "pipeline/ssm",
+        "TimeoutSeconds": "1800",
+        "EnvironmentName": "default",
+    }
+    return base | changes
+
+
+def cfn_event(request: str, props: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "RequestType": request,
+        "ServiceToken": props["ServiceToken"],
+        "ResponseURL": "https://cloudformation-custom-resource-response-uswest2.s3.amazonaws.com/x",
+        "StackId": "arn:aws:cloudformation:us-west-2:123456789012:stack/trn1/guid",
+        "RequestId": "request-1",
+        "LogicalResourceId": "PipelineRun",
+        "ResourceType": "Custom::PipelineRun",
+        "ResourceProperties": props,
+    }
+    if request != "Create":
+        event["PhysicalResourceId"] = "pipeline-trn1-llama"
+    if old is not None:
+        event["OldResourceProperties"] = old
+    return event
+
+
+def poll_event(event: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """What the Provider framework passes to isComplete: the event with onEvent's result merged in."""
+    return {**event, **result}
+
+
+def clients(**by_service: Any) -> Callable[[str], Any]:
+    def factory(service: str) -> Any:
+        if service not in by_service:
+            raise AssertionError(f"the handler asked for an unexpected {service} client")
+        return by_service[service]
+
+    return factory
+
+
+def no_clients(service: str) -> Any:
+    raise AssertionError(f"the handler must not call AWS here (asked for {service})")
+
+
+class Routed:
+    """One service's client: the listed operations go to a Stubber-backed client, all others to moto."""
+
+    def __init__(self, moto_client: Any, stubbed_client: Any, operations: set[str]) -> None:
+        self._moto, self._stubbed, self._operations = moto_client, stubbed_client, operations
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stubbed if name in self._operations else self._moto, name)
+
+
+@pytest.fixture
+def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """moto's in-process AWS, with fake credentials so nothing can reach a real account."""
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+    }.items():
+        monkeypatch.setenv(name, value)
+    with mock_aws():
+        yield
+
+
+@pytest.fixture
+def stubbers() -> Iterator[Callable[[str], tuple[Any, Stubber]]]:
+    """Stubber-backed clients; every queued response must have been used by the end of the test."""
+    made: list[Stubber] = []
+
+    def make(service: str) -> tuple[Any, Stubber]:
+        client = boto3.client(service, region_name=REGION, aws_access_key_id="testing", aws_secret_access_key="testing")
+        stubber = Stubber(client)
+        stubber.activate()
+        made.append(stubber)
+        return client, stubber
+
+    yield make
+    for stubber in made:
+        stubber.assert_no_pending_responses()
+
+
+def instance_information(ping: str = "Online") -> dict[str, Any]:
+    return {
+        "InstanceInformationList": [
+            {
+                "InstanceId": HEAD_NODE,
+                "PingStatus": ping,
+                "LastPingDateTime": datetime(2025, 6, 15, tzinfo=timezone.utc),
+                "AgentVersion": "3.3.1611.0",
+                "IsLatestVersion": False,
+                "PlatformType": "Linux",
+                "PlatformName": "Ubuntu",
+                "PlatformVersion": "22.04",
+                "ResourceType": "EC2Instance",
+                "IPAddress": "10.0.1.10",
+                "ComputerName": "ip-10-0-1-10",
+            }
+        ]
+    }
+
+
+DESCRIBE_HEAD_NODE = {"Filters": [{"Key": "InstanceIds", "Values": [HEAD_NODE]}]}
+
+
+def invocation(command_id: str, status: str, stdout: str = "", stderr: str = "", code: int = -1) -> dict[str, Any]:
+    """A GetCommandInvocation response as SSM returns it."""
+    done = status not in ("Pending", "InProgress", "Delayed")
+    return {
+        "CommandId": command_id,
+        "InstanceId": HEAD_NODE,
+        "Comment": "submit pipeline run",
+        "DocumentName": "AWS-RunShellScript",
+        "DocumentVersion": "$DEFAULT",
+        "PluginName": "aws:runShellScript",
+        "ResponseCode": code,
+        "ExecutionStartDateTime": "2025-06-15T00:00:01.000Z",
+        "ExecutionElapsedTime": "PT12.5S" if done else "",
+        "ExecutionEndDateTime": "2025-06-15T00:00:13.500Z" if done else "",
+        "Status": status,
+        "StatusDetails": status,
+        "StandardOutputContent": stdout,
+        "StandardOutputUrl": "",
+        "StandardErrorContent": stderr,
+        "StandardErrorUrl": "",
+        "CloudWatchOutputConfig": {"CloudWatchOutputEnabled": False},
+    }
+
+
+def export_task(
+    lifecycle: str, *, created: float = NOW + 30, paths: list[str] | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A data repository task as FSx describes it."""
+    task = {
+        "TaskId": f"task-{int(created):x}",
+        "Lifecycle": lifecycle,
+        "Type": "EXPORT_TO_REPOSITORY",
+        "CreationTime": datetime.fromtimestamp(created, tz=timezone.utc),
+        "ResourceARN": f"arn:aws:fsx:us-west-2:123456789012:task/task-{int(created):x}",
+        "FileSystemId": FILE_SYSTEM,
+        "Paths": ["runs"] if paths is None else paths,
+        "Status": {"TotalCount": 10, "SucceededCount": 10, "FailedCount": 0},
+        "Report": {"Enabled": False},
+    }
+    return task | extra
+
+
+DESCRIBE_TASKS = {"Filters": [{"Name": "file-system-id", "Values": [FILE_SYSTEM]}]}
+CREATE_TASK = {
+    "Type": "EXPORT_TO_REPOSITORY",
+    "FileSystemId": FILE_SYSTEM,
+    "Paths": ["runs"],
+    "Report": {"Enabled": False},
+    "ClientRequestToken": f"pipeline-export-{int(NOW)}",
+}
+
+
+def sent_commands() -> list[dict[str, Any]]:
+    return list(boto3.client("ssm", region_name=REGION).list_commands()["Commands"])
+
+
+def expected_run_id(props: dict[str, Any]) -> str:
+    return str(handler.run_id_of(handler.parse_properties(props)))
+
+
+def submitted(
+    stubbers: Callable[[str], tuple[Any, Stubber]], props: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """on_event Create with a managed head node: DescribeInstanceInformation stubbed, SendCommand in moto."""
+    stubbed, stubber = stubbers("ssm")
+    stubber.add_response("describe_instance_information", instance_information(), DESCRIBE_HEAD_NODE)
+    ssm = Routed(boto3.client("ssm", region_name=REGION), stubbed, {"describe_instance_information"})
+    event = cfn_event("Create", props)
+    return event, handler.on_event(event, None, clients=clients(ssm=ssm), now=lambda: NOW)
+
+
+# --- Run id -----------------------------------------------------------------------------------------------
+
+
+def test_run_id_depends_on_recipe_overrides_and_source_only() -> None:
+    run_id = handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "0a1b2c3d")
+    assert run_id.startswith("default-llama31-8b-cpt-") and len(run_id) == len("default-llama31-8b-cpt-") + 10
+    assert run_id == handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "0a1b2c3d")
+    others = {
+        handler.derive_run_id("default", "mixtral-8x7b-sft", ["steps=100"], "0a1b2c3d"),
+        handler.derive_run_id("default", "llama31-8b-cpt", ["steps=200"], "0a1b2c3d"),
+        handler.derive_run_id("default", "llama31-8b-cpt", [], "0a1b2c3d"),
+        handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "ffff"),
+    }
+    assert run_id not in others and len(others) == 4
+
+
+@pytest.mark.parametrize(
+    ("environment", "recipe"),
+    [("default", "llama31-8b-cpt"), ("my env", "../recipes/x y.yaml"), ("-x" * 40, "r" * 80), ("", "")],
+)
+def test_run_id_is_accepted_by_training_submit(environment: str, recipe: str) -> None:
+    run_id = handler.derive_run_id(environment, recipe, ["a=b"], "0a1b2c3d")
+    assert RUN_ID.match(run_id), run_id
+    assert len(run_id) <= 64
+
+
+# --- Create / Update --------------------------------------------------------------------------------------
+
+
+def test_create_submits_on_the_head_node(aws: None, stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
+    props = properties()
+    _, result = submitted(stubbers, props)
+
+    run_id = expected_run_id(props)
+    (command,) = sent_commands()
+    assert result == {
+        "PhysicalResourceId": "pipeline-trn1-llama",
+        "Data": {
+            "RunId": run_id,
+            "RunDir": f"/fsx/runs/{run_id}",
+            "JobIds": "",
+            "CommandId": command["CommandId"],
+            "Phase": "submit",
+            "StartedAt": str(int(NOW)),
+        },
+    }
+    assert command["DocumentName"] == "AWS-RunShellScript"
+    assert command["InstanceIds"] == [HEAD_NODE]
+    assert command["OutputS3BucketName"] == OUTPUT_BUCKET
+    assert command["OutputS3KeyPrefix"] == "pipeline/ssm"
+    assert command["TimeoutSeconds"] == 1800
+    script = handler.submit_script(handler.parse_properties(props), run_id)
+    assert command["Parameters"] == {"commands": script.splitlines(), "executionTimeout": ["1800"]}
+    assert command["Parameters"]["commands"][0] == "#!/bin/bash"  # SSM runs the file: bash, not sh
+    submit_line = next(
+        i for i, line in enumerate(script.splitlines()) if line.startswith('"$python" -m training submit')
+    )
+    assert script.splitlines()[submit_line : submit_line + 5] == [
+        '"$python" -m training submit \\',
+        "  --recipe llama31-8b-cpt \\",
+        f"  --run-id {run_id} \\",
+        '  --env-file "$site_file" \\',
+        "  steps=100 \\",
+    ]
+
+
+def test_start_run_false_does_nothing() -> None:
+    event = cfn_event("Create", properties(StartRun="false"))
+    result = handler.on_event(event, None, clients=no_clients, now=lambda: NOW)
+    assert result["PhysicalResourceId"] == "pipeline-trn1-llama"
+    assert result["Data"] | {"StartedAt": ""} == {
+        "RunId": "",
+        "RunDir": "",
+        "JobIds": "",
+        "CommandId": "",
+        "Phase": "none",
+        "StartedAt": "",
+    }
+    assert handler.is_complete(poll_event(event, result), None, clients=no_clients, now=lambda: NOW) == {
+        "IsComplete": True
+    }
+
+
+def test_update_with_nothing_relevant_changed_does_nothing() -> None:
+    old = properties()
+    new = properties(TimeoutSeconds="900", HeadNodeInstanceId="i-0fedcba9876543210", SiteSettings=json.dumps(SITE))
+    event = cfn_event("Update", new, old)
+
+    result = handler.on_event(event, None, clients=no_clients, now=lambda: NOW)
+
+    run_id = expected_run_id(old)
+    assert result["PhysicalResourceId"] == "pipeline-trn1-llama"
+    assert {k: result["Data"][k] for k in ("RunId", "RunDir", "JobIds", "CommandId", "Phase")} == {
+        "RunId": run_id,
+        "RunDir": f"/fsx/runs/{run_id}",
+        "JobIds": "",  # not known without asking the cluster; see the handler's docstring
+        "CommandId": "",
+        "Phase": "unchanged",
+    }
+    assert handler.is_complete(poll_event(event, result), None, clients=no_clients, now=lambda: NOW) == {
+        "IsComplete": True
+    }
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"Recipe": "mixtral-8x7b-sft"},
+        {"SourceHash": "99ffee00", "SourceKey": "99ffee00.zip"},
+        {"RecipeOverrides": ["steps=200"]},
+    ],
+    ids=["recipe", "source", "overrides"],
+)
+@pytest.mark.parametrize("old_start", ["true", "false"])
+def test_update_with_a_new_run_submits_it_and_leaves_the_old_one(
+    aws: None, stubbers: Callable[[str], tuple[Any, Stubber]], change: dict[str, Any], old_start: str
+) -> None:
+    old, new = properties(StartRun=old_start), properties(**change)
+    stubbed, stubber = stubbers("ssm")
+    stubber.add_response("describe_instance_information", instance_information(), DESCRIBE_HEAD_NODE)
+    ssm = Routed(boto3.client("ssm", region_name=REGION), stubbed, {"describe_instance_information"})
+
+    result = handler.on_event(cfn_event("Update", new, old), None, clients=clients(ssm=ssm), now=lambda: NOW)
+
+    old_id, new_id = expected_run_id(old), expected_run_id(new)
+    assert new_id != old_id
+    assert result["PhysicalResourceId"] == "pipeline-trn1-llama"
+    assert result["Data"]["RunId"] == new_id and result["Data"]["Phase"] == "submit"
+    (command,) = sent_commands()  # one submit; no cancel of the old run
+    commands = "\n".join(command["Parameters"]["commands"])
+    assert f"--run-id {new_id}" in commands
+    assert old_id not in commands and "training cancel" not in commands
+
+
+def test_update_from_start_run_true_to_false_does_nothing() -> None:
+    event = cfn_event("Update", properties(StartRun="false"), properties())
+    result = handler.on_event(event, None, clients=no_clients, now=lambda: NOW)
+    assert result["Data"]["Phase"] == "none" and result["Data"]["RunId"] == ""
+
+
+@pytest.mark.parametrize(
+    ("response", "why"),
+    [
+        ({"InstanceInformationList": []}, "no SSM agent has registered it"),
+        (instance_information("ConnectionLost"), "SSM agent ping status ConnectionLost"),
+    ],
+)
+def test_head_node_not_managed_by_ssm_fails_at_once(
+    stubbers: Callable[[str], tuple[Any, Stubber]], response: dict[str, Any], why: str
+) -> None:
+    ssm, stubber = stubbers("ssm")
+    stubber.add_response("describe_instance_information", response, DESCRIBE_HEAD_NODE)  # and no SendCommand
+
+    with pytest.raises(RuntimeError) as raised:
+        handler.on_event(cfn_event("Create", properties()), None, clients=clients(ssm=ssm), now=lambda: NOW)
+
+    message = str(raised.value)
+    assert message.startswith(f"head node {HEAD_NODE} is not managed by SSM (")
+    assert why in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"StartRun": "yes"}, "property StartRun must be 'true' or 'false'"),
+        ({"SiteSettings": "{not json"}, "property SiteSettings is not JSON"),
+        ({"SiteSettings": json.dumps(SITE | {"runs_root": "/home/runs"})}, "is not below FileSystemMountDir /fsx"),
+        ({"RecipeOverrides": ["--dry-run"]}, "property RecipeOverrides: '--dry-run' is not key=value"),
+        ({"HeadNodeInstanceId": ""}, "property HeadNodeInstanceId is missing"),
+    ],
+)
+def test_bad_properties_fail_at_once_with_their_name(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        handler.on_event(cfn_event("Create", properties(**change)), None, clients=clients(ssm=None), now=lambda: NOW)
+
+
+# --- is_complete of the submission ------------------------------------------------------------------------
+
+
+def test_submission_success_reads_the_run_record_from_s3(
+    aws: None, stubbers: Callable[[str], tuple[Any, Stubber]]
+) -> None:
+    """moto's invocation succeeds with no inline output, as a long output would leave the marker out of it."""
+    props = properties()
+    event, result = submitted(stubbers, props)
+    command_id, run_id = result["Data"]["CommandId"], result["Data"]["RunId"]
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket=OUTPUT_BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION})
+    folder = f"pipeline/ssm/{command_id}/{HEAD_NODE}/awsrunShellScript/0.awsrunShellScript"
+    stdout = (
+        "x" * 30000 + f"\nrun {run_id}: submitted ...\n{handler.MARKER}{json.dumps(RUN_RECORD | {'run_id': run_id})}\n"
+    )
+    s3.put_object(Bucket=OUTPUT_BUCKET, Key=f"{folder}/stdout", Body=stdout.encode())
+
+    polled = handler.is_complete(
+        poll_event(event, result),
+        None,
+        clients=clients(ssm=boto3.client("ssm", region_name=REGION), s3=s3),
+        now=lambda: NOW + 20,
+    )
+
+    assert polled == {
+        "IsComplete": True,
+        "Data": {"RunId": run_id, "RunDir": f"/fsx/runs/{run_id}", "JobIds": JOB_IDS},
+    }
+
+
+def submit_state(props: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    event = cfn_event("Create", props)
+    result = {
+        "PhysicalResourceId": "pipeline-trn1-llama",
+        "Data": handler.data(run_id=expected_run_id(props), run_dir="", command=COMMAND, phase="submit", started=NOW),
+    }
+    return event, result
+
+
+def test_submission_success_with_the_record_inline(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
+    props = properties()
+    event, result = submit_state(props)
+    run_id = expected_run_id(props)
+    ssm, stubber = stubbers("ssm")
+    stdout = f"run {run_id}: submitted prepare=7\n{handler.MARKER}{json.dumps(RUN_RECORD | {'run_id': run_id})}\n"
+    stubber.add_response(
+        "get_command_invocation",
+        invocation(COMMAND, "Success", stdout, code=0),
+        {"CommandId": COMMAND, "InstanceId": HEAD_NODE},
+    )
+    s3, _ = stubbers("s3")  # nothing queued: reading S3 would fail the test
+
+    polled = handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW)
+
+    assert polled["IsComplete"] is True and polled["Data"]["JobIds"] == JOB_IDS
+
+
+@pytest.mark.parametrize("status", ["Pending", "InProgress", "Delayed"])
+def test_submission_in_progress_is_not_complete(stubbers: Callable[[str], tuple[Any, Stubber]], status: str) -> None:
+    event, result = submit_state(properties())
+    ssm, stubber = stubbers("ssm")
+    stubber.add_response(
+        "get_command_invocation", invocation(COMMAND, status), {"CommandId": COMMAND, "InstanceId": HEAD_NODE}
+    )
+
+    polled = handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm), now=lambda: NOW + 60)
+
+    assert polled == {"IsComplete": False}  # the framework refuses Data while not complete
+
+
+def test_submission_not_yet_registered_is_not_complete(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
+    event, result = submit_state(properties())
+    ssm, stubber = stubbers("ssm")
+    stubber.add_client_error("get_command_invocation", "InvocationDoesNotExist", http_status_code=400)
+
+    polled = handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm), now=lambda: NOW + 1)
+
+    assert polled == {"IsComplete": False}
+
+
+def test_submission_times_out_within_one_poll(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
+    event, result = submit_state(properties(TimeoutSeconds="600"))
+    ssm, stubber = stubbers("ssm")
+    stubber.add_response("get_command_invocation", invocation(COMMAND, "InProgress"))
+
+    with pytest.raises(TimeoutError) as raised:
+        handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm), now=lambda: NOW + 601)
+
+    assert str(raised.value).startswith(f"timed out after 600 s waiting for the submit command {COMMAND} of run ")
+    assert "(status InProgress)" in str(raised.value)
+
+
+def test_submission_failure_reason_has_the_cli_error(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
+    event, result = submit_state(properties())
+    ssm, stubber = stubbers("ssm")
+    stdout = "\n".join(f"line {i}" for i in range(40)) + "\n"
+    stderr = "error: sbatch --parsable failed: sbatch: error: invalid partition specified: compute9\n"
+    stubber.add_response("get_command_invocation", invocation(COMMAND, "Failed", stdout, stderr, code=2))
+    s3, _ = stubbers("s3")  # the inline output is complete: no S3 read
+
+    with pytest.raises(RuntimeError) as raised:
+        handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW + 30)
+
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"submit command {COMMAND} of run {expected_run_id(properties())} on head node {HEAD_NODE} Failed (exit 2): "
+    )
+    assert message.endswith("error: sbatch --parsable failed: sbatch: error: invalid partition specified: compute9")
+    assert "line 39" in message and "line 21" in message and "line 20" not in message  # the last 20 lines
+
+
+def test_submission_failure_with_cut_output_reads_the_tail_from_s3(
+    aws: None, stubbers: Callable[[str], tuple[Any, Stubber]]
+) -> None:
+    event, result = submit_state(properties())
+    ssm, stubber = stubbers("ssm")
+    stubber.add_response("get_command_invocation", invocation(COMMAND, "Failed", "y" * 24000, "", code=1))
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket=OUTPUT_BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION})
+    folder = f"pipeline/ssm/{COMMAND}/{HEAD_NODE}/awsrunShellScript/0.awsrunShellScript"
+    s3.put_object(Bucket=OUTPUT_BUCKET, Key=f"{folder}/stdout", Body=("y" * 100000 + "\nfetching source\n").encode())
+    s3.put_object(
+        Bucket=OUTPUT_BUCKET,
+        Key=f"{folder}/stderr",
+        Body=b"fatal error: An error occurred (403) when calling the HeadObject operation: Forbidden\n",
+    )
+
+    with pytest.raises(RuntimeError) as raised:
+        handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW + 30)
+
+    message = str(raised.value)
+    assert "Failed (exit 1)" in message and "fetching source" in message
+    assert message.endswith("HeadObject operation: Forbidden")
+    assert len(message) <= handler.MAX_REASON
+
+
+def test_submission_success_without_a_run_record_fails(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
+    event, result = submit_state(properties())
+    ssm, stubber = stubbers("ssm")
+    stubber.add_response("get_command_invocation", invocation(COMMAND, "Success", "done\n", code=0))
+    s3, s3_stubber = stubbers("s3")
+    folder = f"pipeline/ssm/{COMMAND}/{HEAD_NODE}/awsrunShellScript/0.awsrunShellScript"
+    for name in ("stdout", "stderr"):  # SSM could not write the output (e.g. the head node's role lacks it)
+        s3_stubber.add_client_error(
+            "get_object",
+            "AccessDenied",
+            "Access Denied",
+            http_status_code=403,
+            expected_params={"Bucket": OUTPUT_BUCKET, "Key": f"{folder}/{name}", "Range": "bytes=-65536"},
+        )
+
+    with pytest.raises(RuntimeError, match="succeeded but printed no PIPELINE-RUN line: done"):
+        handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW)
+
+
+def test_output_is_read_at_the_keys_of_the_invocation_urls(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
+    event, result = submit_state(properties())
+    folder = f"pipeline/ssm/{COMMAND}/{HEAD_NODE}/awsrunShellScript/0.awsrunShellScript"
+    failed = invocation(COMMAND, "Failed", "z" * 24000, "", code=1) | {
+        "StandardOutputUrl": f"https://s3.us-west-2.amazonaws.com/{OUTPUT_BUCKET}/{folder}/stdout",
+        "StandardErrorUrl": f"https://{OUTPUT_BUCKET}.s3.us-west-2.amazonaws.com/{folder}/stderr",
+    }
+    ssm, stubber = stubbers("ssm")
+    stubber.add_response("get_command_invocation", failed)
+    s3, s3_stubber = stubbers("s3")
+    for name, text in (("stdout", b"zzz\nunzipping\n"), ("stderr", b"error: no space left on device\n")):
+        s3_stubber.add_response(
+            "get_object",
+            {"Body": StreamingBody(io.BytesIO(text), len(text)), "ContentLength": len(text)},
+            {"Bucket": OUTPUT_BUCKET, "Key": f"{folder}/{name}", "Range": "bytes=-65536"},
+        )
+
+    with pytest.raises(RuntimeError, match=r"Failed \(exit 1\): zzz \| unzipping \| error: no space left on device$"):
+        handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW)
+
+
+@pytest.mark.parametrize(
+    ("url", "key"),
+    [
+        (
+            "https://s3.us-west-2.amazonaws.com/b/p/c/i/awsrunShellScript/0.awsrunShellScript/stdout",
+            "p/c/i/awsrunShellScript/0.awsrunShellScript/stdout",
+        ),
+        ("https://b.s3.us-west-2.amazonaws.com/p/x%20y/stderr", "p/x y/stderr"),
+        ("https://s3.amazonaws.com/other-bucket/p/stdout", None),
+        ("", None),
+    ],
+)
+def test_key_from_url(url: str, key: str | None) -> None:
+    assert handler.key_from_url(url, "b") == key
+
+
+# --- Delete -----------------------------------------------------------------------------------------------
+
+
+def test_delete_with_a_live_head_node_cancels_then_exports(
+    aws: None, stubbers: Callable[[str], tuple[Any, Stubber]]
+) -> None:
+    props = properties()
+    run_id = expected_run_id(props)
+    event = cfn_event("Delete", props)
+    stubbed, stubber = stubbers("ssm")
+    stubber.add_response("describe_instance_information", instance_information(), DESCRIBE_HEAD_NODE)
+    moto_ssm = boto3.client("ssm", region_name=REGION)
+    ssm = Routed(moto_ssm, stubbed, {"describe_instance_information"})
+
+    result = handler.on_event(event, None, clients=clients(ssm=ssm), now=lambda: NOW)
+
+    (command,) = sent_commands()
+    assert result["PhysicalResourceId"] == "pipeline-trn1-llama"
+    assert result["Data"]["Phase"] == "cancel" and result["Data"]["CommandId"] == command["CommandId"]
+    assert command["DocumentName"] == "AWS-RunShellScript" and command["InstanceIds"] == [HEAD_NODE]
+    assert command["TimeoutSeconds"] == handler.CANCEL_DELIVERY_SECONDS
+    cancel = handler.cancel_script(handler.parse_properties(props), run_id)
+    assert command["Parameters"]["commands"] == cancel.splitlines()
+    assert f"run_id={run_id}" in cancel.splitlines()
+    assert (
+        '  PYTHONPATH="$source_dir" "$python" -m training cancel --run-id "$run_id" --env-file "$site_file" || true'
+        in cancel.splitlines()
+    )
+    state = poll_event(event, result)
+
+    # 1. The cancel is still running: no export yet.
+    in_progress, in_progress_stubber = stubbers("ssm")
+    in_progress_stubber.add_response(
+        "get_command_invocation",
+        invocation(command["CommandId"], "InProgress"),
+        {"CommandId": command["CommandId"], "InstanceId": HEAD_NODE},
+    )
+    fsx, fsx_stubber = stubbers("fsx")
+    assert handler.is_complete(state, None, clients=clients(ssm=in_progress, fsx=fsx), now=lambda: NOW + 5) == {
+        "IsComplete": False
+    }
+
+    # 2. The cancel is done (moto): the export is started, once.
+    fsx_stubber.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": []}, DESCRIBE_TASKS)
+    fsx_stubber.add_response("create_data_repository_task", {"DataRepositoryTask": export_task("PENDING")}, CREATE_TASK)
+    assert handler.is_complete(state, None, clients=clients(ssm=moto_ssm, fsx=fsx), now=lambda: NOW + 30) == {
+        "IsComplete": False
+    }
+
+    # 3. Found again (no second create) while it runs, then succeeded.
+    fsx_stubber.add_response(
+        "describe_data_repository_tasks", {"DataRepositoryTasks": [export_task("EXECUTING")]}, DESCRIBE_TASKS
+    )
+    assert handler.is_complete(state, None, clients=clients(ssm=moto_ssm, fsx=fsx), now=lambda: NOW + 60) == {
+        "IsComplete": False
+    }
+    fsx_stubber.add_response(
+        "describe_data_repository_tasks", {"DataRepositoryTasks": [export_task("SUCCEEDED")]}, DESCRIBE_TASKS
+    )
+    assert handler.is_complete(state, None, clients=clients(ssm=moto_ssm, fsx=fsx), now=lambda: NOW + 90) == {
+        "IsComplete": True
+    }
+
+
+@pytest.mark.parametrize(
+    "gone",
+    [
+        ("response", {"InstanceInformationList": []}),
+        ("error", "InvalidInstanceId"),
+    ],
+    ids=["unregistered", "invalid-instance"],
+)
+def test_delete_with_the_head_node_gone_skips_the_cancel_and_exports(
+    stubbers: Callable[[str], tuple[Any, Stubber]], gone: tuple[str, Any]
+) -> None:
+    event = cfn_event("Delete", properties())
+    ssm, ssm_stubber = stubbers("ssm")
+    if gone[0] == "response":
+        ssm_stubber.add_response("describe_instance_information", gone[1], DESCRIBE_HEAD_NODE)
+    else:
+        ssm_stubber.add_client_error("describe_instance_information", gone[1], "Instances not in a valid state")
+
+    result = handler.on_event(event, None, clients=clients(ssm=ssm), now=lambda: NOW)  # no SendCommand queued
+
+    assert result["Data"]["Phase"] == "export" and result["Data"]["CommandId"] == ""
+    fsx, fsx_stubber = stubbers("fsx")
+    earlier = export_task("SUCCEEDED", created=NOW - 3600)  # an export of an earlier Delete attempt: not ours
+    fsx_stubber.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": [earlier]}, DESCRIBE_TASKS)
+    fsx_stubber.add_response("create_data_repository_task", {"DataRepositoryTask": export_task("PENDING")}, CREATE_TASK)
+    fsx_stubber.add_response(
+        "describe_data_repository_tasks", {"DataRepositoryTasks": [earlier, export_task("SUCCEEDED")]}, DESCRIBE_TASKS
+    )
+    state = poll_event(event, result)
+    assert handler.is_complete(state, None, clients=clients(fsx=fsx), now=lambda: NOW + 30) == {"IsComplete": False}
+    assert handler.is_complete(state, None, clients=clients(fsx=fsx), now=lambda: NOW + 60) == {"IsComplete": True}
+
+
+def export_state() -> dict[str, Any]:
+    event = cfn_event("Delete", properties())
+    result = {
+        "PhysicalResourceId": "pipeline-trn1-llama",
+        "Data": handler.data(run_id="r", phase="export", started=NOW),
+    }
+    return poll_event(event, result)
+
+
+def test_export_failure_is_the_reason(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
+    fsx, stubber = stubbers("fsx")
+    failed = export_task(
+        "FAILED",
+        FailureDetails={"Message": "Export failed: the data repository bucket denied access (403)"},
+        EndTime=datetime.fromtimestamp(NOW + 50, tz=timezone.utc),
+    )
+    stubber.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": [failed]}, DESCRIBE_TASKS)
+
+    with pytest.raises(RuntimeError) as raised:
+        handler.is_complete(export_state(), None, clients=clients(fsx=fsx), now=lambda: NOW + 60)
+
+    assert str(raised.value) == (
+        f"the export of runs from file system {FILE_SYSTEM} to S3 (task {failed['TaskId']}) ended FAILED: "
+        "Export failed: the data repository bucket denied access (403)"
+    )
+
+
+@pytest.mark.parametrize("where", ["describe", "create"])
+def test_file_system_gone_completes(stubbers: Callable[[str], tuple[Any, Stubber]], where: str) -> None:
+    fsx, stubber = stubbers("fsx")
+    if where == "describe":
+        stubber.add_client_error("describe_data_repository_tasks", "FileSystemNotFound", "File system not found")
+    else:
+        stubber.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": []}, DESCRIBE_TASKS)
+        stubber.add_client_error("create_data_repository_task", "FileSystemNotFound", "File system not found")
+
+    assert handler.is_complete(export_state(), None, clients=clients(fsx=fsx), now=lambda: NOW + 10) == {
+        "IsComplete": True
+    }
+
+
+def test_export_waits_for_another_task_then_times_out(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
+    fsx, stubber = stubbers("fsx")
+    for _ in range(2):
+        stubber.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": []}, DESCRIBE_TASKS)
+        stubber.add_client_error("create_data_repository_task", "DataRepositoryTaskExecuting", "A task is running")
+
+    assert handler.is_complete(export_state(), None, clients=clients(fsx=fsx), now=lambda: NOW + 10) == {
+        "IsComplete": False
+    }
+    with pytest.raises(TimeoutError, match=r"^timed out after 1800 s waiting for the export of runs from file system"):
+        handler.is_complete(export_state(), None, clients=clients(fsx=fsx), now=lambda: NOW + 1801)
+
+
+def test_delete_after_start_run_false_completes_at_once() -> None:
+    event = cfn_event("Delete", properties(StartRun="false"))
+    result = handler.on_event(event, None, clients=no_clients, now=lambda: NOW)
+    assert result["PhysicalResourceId"] == "pipeline-trn1-llama" and result["Data"]["Phase"] == "none"
+    assert handler.is_complete(poll_event(event, result), None, clients=no_clients, now=lambda: NOW) == {
+        "IsComplete": True
+    }
+
+
+# --- The scripts, run by bash -----------------------------------------------------------------------------
+
+HOSTILE = [
+    "steps=100",
+    "name=it's; touch pwned-quote",
+    'prompt="a b";touch pwned-semicolon',
+    "x=$(touch pwned-subst) `id`",
+]
+
+FAKE_TRAINING = '''\
+"""Stands in for `python -m training`: records its arguments, writes a run record like `submit` does."""
+import json, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+site = json.loads(Path(args[args.index("--env-file") + 1]).read_text())
+runs = Path(site["runs_root"])
+with open(runs / "calls.jsonl", "a") as log:
+    log.write(json.dumps(args) + "\\n")
+if args[0] == "submit" and args[args.index("--recipe") + 1] == "broken":
+    sys.exit(print("error: sbatch --parsable failed: sbatch: error: invalid partition", file=sys.stderr) or 2)
+if args[0] == "cancel":
+    sys.exit(print("error: scancel failed: Invalid job id specified", file=sys.stderr) or 2)
+run_id = args[args.index("--run-id") + 1]
+(runs / run_id).mkdir(parents=True, exist_ok=True)
+record = {"run_id": run_id, "stages": ["prepare", "train"], "submissions": [{"jobs": {"prepare": "1", "train": "2"}}]}
+(runs / run_id / "run.json").write_text(json.dumps(record, indent=2))
+print(f"run {run_id}: submitted prepare=1, train=2")
+'''
+
+FAKE_AWS = """\
+#!/bin/bash
+# Stands in for the AWS CLI: `aws s3 cp [--recursive] --only-show-errors s3://bucket/key destination`.
+echo "$*" >>"$FAKE_AWS_LOG"
+if [[ "$1 $2 $3 $4" == "s3 cp --recursive --only-show-errors" ]]; then
+  mkdir -p "$6" && cp -R "$FAKE_SOURCE_TREE"/. "$6"
+elif [[ "$1 $2 $3" == "s3 cp --only-show-errors" ]]; then
+  cp "$FAKE_SOURCE_ZIP" "$5"
+else
+  exit 64
+fi
+"""
+
+
+@pytest.fixture
+def head_node(tmp_path: Path) -> dict[str, Any]:
+    """A file system mount, a source zip, a fake `aws` on PATH and the real Python as the shared one."""
+    mount = tmp_path / "fsx"
+    mount.mkdir()
+    source = io.BytesIO()
+    with zipfile.ZipFile(source, "w") as archive:
+        archive.writestr("training/__init__.py", "")
+        archive.writestr("training/__main__.py", FAKE_TRAINING)
+        archive.writestr("pyproject.toml", "[project]\nname = 'x'\n")
+    (tmp_path / "source.zip").write_bytes(source.getvalue())
+    with zipfile.ZipFile(source) as archive:
+        archive.extractall(tmp_path / "source-tree")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "aws").write_text(FAKE_AWS)
+    (bin_dir / "aws").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "FAKE_AWS_LOG": str(tmp_path / "aws.log"),
+        "FAKE_SOURCE_ZIP": str(tmp_path / "source.zip"),
+        "FAKE_SOURCE_TREE": str(tmp_path / "source-tree"),
+    }
+    site = SITE | {"runs_root": f"{mount}/runs", "python": sys.executable, "setup": ["ulimit -n 65536"]}
+    props = properties(SiteSettings=json.dumps(site), FileSystemMountDir=str(mount), RecipeOverrides=HOSTILE)
+    return {"mount": mount, "env": env, "props": props, "site": site, "tmp": tmp_path}
+
+
+def run_bash(script: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [BASH, "-c", script], env=env, cwd=cwd, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_scripts_pass_bash_syntax_check_with_hostile_values() -> None:
+    props = handler.parse_properties(
+        properties(Recipe="llama'; rm -rf /; echo '", RecipeOverrides=HOSTILE, EnvironmentName="prod $(id)")
+    )
+    run_id = handler.run_id_of(props)
+    for script in (handler.submit_script(props, run_id), handler.cancel_script(props, run_id)):
+        checked = subprocess.run([BASH, "-n"], input=script, capture_output=True, text=True, check=False)
+        assert checked.returncode == 0, checked.stderr
+
+
+def test_scripts_pass_shellcheck() -> None:
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck is not on PATH: apt-get install shellcheck")
+    props = handler.parse_properties(properties())  # hostile values are run for real below (they'd be SC2016)
+    run_id = handler.run_id_of(props)
+    for script in (handler.submit_script(props, run_id), handler.cancel_script(props, run_id)):
+        checked = subprocess.run(
+            [shellcheck, "--severity=style", "--shell=bash", "-"],
+            input=script,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("source_key", ["0a1b2c3d.zip", "pipeline/source/0a1b2c3d/"], ids=["zip", "prefix"])
+def test_submit_script_runs_with_hostile_values_quoted(head_node: dict[str, Any], source_key: str) -> None:
+    props = handler.parse_properties(head_node["props"] | {"SourceKey": source_key})
+    run_id = handler.run_id_of(props)
+    script = handler.submit_script(props, run_id)
+    workdir = head_node["tmp"] / "cwd"
+    workdir.mkdir()
+
+    first = run_bash(script, head_node["env"], workdir)
+    second = run_bash(script, head_node["env"], workdir)  # the source is fetched once
+
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    mount, runs = head_node["mount"], head_node["mount"] / "runs"
+    site_file = mount / "pipeline" / "site-default.yaml"
+    source_dir = mount / "pipeline" / "source-0a1b2c3d"
+    calls = [json.loads(line) for line in (runs / "calls.jsonl").read_text().splitlines()]
+    expected = ["submit", "--recipe", "llama31-8b-cpt", "--run-id", run_id, "--env-file", str(site_file), *HOSTILE]
+    assert calls == [expected, expected]
+    assert not list(head_node["tmp"].rglob("pwned*"))
+    aws_calls = (head_node["tmp"] / "aws.log").read_text().splitlines()
+    recursive = "--recursive " if source_key.endswith("/") else ""
+    assert len(aws_calls) == 1 and aws_calls[0].startswith(
+        f"s3 cp {recursive}--only-show-errors s3://cdk-hnb659fds-assets-123456789012-us-west-2/{source_key} "
+    )
+    assert (source_dir / "training" / "__main__.py").is_file()
+    assert not [p for p in (mount / "pipeline").iterdir() if p.name.startswith(".source-")]  # staging removed
+    site = json.loads(site_file.read_text())
+    assert site == head_node["site"] | {
+        "setup": [f"export PYTHONPATH={source_dir}${{PYTHONPATH:+:${{PYTHONPATH}}}}", "ulimit -n 65536"]
+    }
+    run = handler.parse_run_line(second.stdout)
+    assert run is not None and run["run_id"] == run_id
+    assert handler.job_ids(run) == "prepare=1,train=2"
+    assert second.stdout.splitlines()[-1].startswith(handler.MARKER)
+
+
+def test_submit_script_fails_with_the_cli_error(head_node: dict[str, Any]) -> None:
+    props = handler.parse_properties(head_node["props"] | {"Recipe": "broken"})
+    done = run_bash(handler.submit_script(props, handler.run_id_of(props)), head_node["env"], head_node["tmp"])
+    assert done.returncode == 2
+    assert handler.parse_run_line(done.stdout) is None
+    assert handler.output_tail(done.stdout, done.stderr).endswith(
+        "error: sbatch --parsable failed: sbatch: error: invalid partition"
+    )
+
+
+def test_cancel_script_never_fails(head_node: dict[str, Any]) -> None:
+    props = handler.parse_properties(head_node["props"])
+    run_id = handler.run_id_of(props)
+    cancel = handler.cancel_script(props, run_id)
+
+    nothing = run_bash(cancel, head_node["env"], head_node["tmp"])  # never submitted: no source, no site file
+    assert nothing.returncode == 0 and "nothing to cancel" in nothing.stdout
+
+    assert run_bash(handler.submit_script(props, run_id), head_node["env"], head_node["tmp"]).returncode == 0
+    finished = run_bash(cancel, head_node["env"], head_node["tmp"])  # `training cancel` exits 2: still fine
+    assert finished.returncode == 0, finished.stderr
+    calls = [json.loads(line) for line in (head_node["mount"] / "runs" / "calls.jsonl").read_text().splitlines()]
+    assert calls[-1] == [
+        "cancel",
+        "--run-id",
+        run_id,
+        "--env-file",
+        str(head_node["mount"] / "pipeline" / "site-default.yaml"),
+    ]
+
+
+# --- Pure helpers -----------------------------------------------------------------------------------------
+
+
+def test_output_tail_keeps_stderr_and_the_last_lines() -> None:
+    stdout = "\n".join(f"out {i}" for i in range(30))
+    assert handler.output_tail(stdout, "error: boom\n") == " | ".join(
+        [f"out {i}" for i in range(11, 30)] + ["error: boom"]
+    )
+    assert handler.output_tail("", "") == "(no output)"
+
+
+def test_reason_is_one_bounded_line_keeping_the_end() -> None:
+    reason = handler.one_line("start\n" + "x" * 5000 + "\nerror: the end")
+    assert "\n" not in reason and len(reason) <= handler.MAX_REASON
+    assert reason.startswith("start ") and reason.endswith("error: the end")
+
+
+def test_parse_run_line_takes_the_last_marker_line() -> None:
+    text = f'{handler.MARKER}{{"run_id": "old"}}\nnoise\n{handler.MARKER}{{"run_id": "new"}}\ntrailing\n'
+    assert handler.parse_run_line(text) == {"run_id": "new"}
+    assert handler.parse_run_line(f"{handler.MARKER}not json") is None
+    assert handler.parse_run_line("nothing") is None
