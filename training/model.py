@@ -267,14 +267,21 @@ class MoE(nn.Module):
             outputs = torch.einsum("etf,efh->eth", F.silu(gate) * up, down)
             partial = torch.einsum("te,eth->th", dense, outputs.to(dense.dtype)).to(x.dtype)
         else:
-            partial = torch.zeros_like(local)
-            for expert in range(gate_up.shape[0]):
-                token, slot = torch.where(top_experts == expert)
-                if token.numel() == 0:
-                    continue
-                gate, up = (local[token] @ gate_up[expert]).chunk(2, dim=-1)
-                output = (F.silu(gate) * up) @ down[expert]
-                partial.index_add_(0, token, (output * weights[token, slot, None]).to(partial.dtype))
+            # Token choices grouped by expert with one sort, each expert's rows a contiguous slice.
+            choices = top_experts.reshape(-1)
+            order = torch.argsort(choices, stable=True)
+            counts = torch.bincount(choices, minlength=gate_up.shape[0]).tolist()
+            token = order // self.top_k
+            routed = local[token]
+            outputs = []
+            # unbind, not gate_up[e]: its backward stacks once instead of zero-filling a full copy per expert.
+            experts = zip(gate_up.unbind(0), down.unbind(0), torch.split(routed, counts), strict=True)
+            for expert_gate_up, expert_down, rows in experts:
+                if rows.shape[0]:
+                    gate, up = (rows @ expert_gate_up).chunk(2, dim=-1)
+                    outputs.append((F.silu(gate) * up) @ expert_down)
+            chosen = weights.reshape(-1)[order, None]
+            partial = torch.zeros_like(local).index_add(0, token, (torch.cat(outputs) * chosen).to(local.dtype))
         return parallel.reduce_from_tensor_model_parallel_region(partial).view(shape), logits
 
 

@@ -164,3 +164,20 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
     )
     assert list(resumed["jobs"]) == ["convert-in", "compile", "train", "convert-out", "sample", "export"]
     assert set(states(run_dir).values()) == {"COMPLETED"}, pipeline.stage_states(run_dir)
+
+
+def test_cancel_stops_every_job_of_the_run(
+    slurm: Any, sources: dict[str, dict[str, Path]], site: Site, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from training.cli import main
+
+    env_file = tmp_path / "site.yaml"
+    env_file.write_text(f"runs_root: {site.runs_root}\nresults: {site.results}\n")
+    run_dir = run("tiny-llama-cpt", sources["llama"], site, "llama-cancelled", "steps=4", "checkpoint.every=2")
+    assert main(["cancel", "--run-id", "llama-cancelled", "--env-file", str(env_file)]) == 0
+    jobs = json.loads((run_dir / "run.json").read_text())["submissions"][0]["jobs"]
+    assert f"cancelled jobs {', '.join(sorted(jobs.values(), key=int))}" in capsys.readouterr().out
+    final = states(run_dir)
+    assert final["train"] == "CANCELLED" and not set(final.values()) & pipeline.ACTIVE_STATES
+    assert main(["status", "--run-id", "llama-cancelled", "--env-file", str(env_file)]) == 1
+    assert "CANCELLED" in capsys.readouterr().out
