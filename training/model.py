@@ -273,15 +273,16 @@ class MoE(nn.Module):
             counts = torch.bincount(choices, minlength=gate_up.shape[0]).tolist()
             token = order // self.top_k
             routed = local[token]
-            outputs = []
+            expert_outputs: list[torch.Tensor] = []
             # unbind, not gate_up[e]: its backward stacks once instead of zero-filling a full copy per expert.
-            experts = zip(gate_up.unbind(0), down.unbind(0), torch.split(routed, counts), strict=True)
-            for expert_gate_up, expert_down, rows in experts:
+            per_expert = zip(gate_up.unbind(0), down.unbind(0), torch.split(routed, counts), strict=True)
+            for expert_gate_up, expert_down, rows in per_expert:
                 if rows.shape[0]:
                     gate, up = (rows @ expert_gate_up).chunk(2, dim=-1)
-                    outputs.append((F.silu(gate) * up) @ expert_down)
+                    expert_outputs.append((F.silu(gate) * up) @ expert_down)
             chosen = weights.reshape(-1)[order, None]
-            partial = torch.zeros_like(local).index_add(0, token, (torch.cat(outputs) * chosen).to(local.dtype))
+            weighted = (torch.cat(expert_outputs) * chosen).to(local.dtype)
+            partial = torch.zeros_like(local).index_add(0, token, weighted)
         return parallel.reduce_from_tensor_model_parallel_region(partial).view(shape), logits
 
 
