@@ -63,9 +63,9 @@ def pinned_neuron_release(script: str) -> str:
 def training_requirements(pyproject: Path = PYPROJECT) -> tuple[str, ...]:
     """The training package's pinned dependencies, for the shared environment on the cluster: torch comes
     from the Neuron packages there, so it is left out (one list of pins: pyproject.toml)."""
-    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["training"]
-    base = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    return tuple(r for r in (*base, *extras) if not r.lower().startswith("torch=="))
+    project = tomllib.loads(pyproject.read_text())["project"]
+    pins = (*project["dependencies"], *project["optional-dependencies"]["training"])
+    return tuple(pin for pin in pins if not pin.lower().startswith("torch=="))
 
 
 def bootstrap_arguments(config: EnvironmentConfig, neuron_release: str) -> tuple[str, ...]:

@@ -51,8 +51,6 @@ ACKNOWLEDGEMENTS = (
 )
 
 
-# CDK's BucketDeployment handler (one per stack, named by CDK) that copies the training code to the bucket.
-BUCKET_DEPLOYMENT = BUCKET_DEPLOYMENT_HANDLER
 BASIC_EXECUTION = (
     "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole]"
 )
@@ -93,14 +91,14 @@ def pipeline_acknowledgements(region: str) -> tuple[Acknowledgement, ...]:
         "PipelineProviderframeworkonTimeout036420E7",
     )
     return (
-        Acknowledgement(BUCKET_DEPLOYMENT, "AwsSolutions-L1", deployment),
-        Acknowledgement(f"{BUCKET_DEPLOYMENT}/ServiceRole", BASIC_EXECUTION, deployment),
+        Acknowledgement(BUCKET_DEPLOYMENT_HANDLER, "AwsSolutions-L1", deployment),
+        Acknowledgement(f"{BUCKET_DEPLOYMENT_HANDLER}/ServiceRole", BASIC_EXECUTION, deployment),
         *(
-            Acknowledgement(f"{BUCKET_DEPLOYMENT}/ServiceRole", f"AwsSolutions-IAM5[Action::{a}]", deployment)
+            Acknowledgement(f"{BUCKET_DEPLOYMENT_HANDLER}/ServiceRole", f"AwsSolutions-IAM5[Action::{a}]", deployment)
             for a in bucket_actions
         ),
         *(
-            Acknowledgement(f"{BUCKET_DEPLOYMENT}/ServiceRole", f"AwsSolutions-IAM5[Resource::{r}]", deployment)
+            Acknowledgement(f"{BUCKET_DEPLOYMENT_HANDLER}/ServiceRole", f"AwsSolutions-IAM5[Resource::{r}]", deployment)
             for r in bucket_resources
         ),
         *(

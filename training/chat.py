@@ -115,6 +115,10 @@ class ChatRenderer:
             examples.append(Example(input_ids=ids, labels=labels))
         return examples
 
+    def prompt(self, user_message: str) -> str:
+        """A one-turn conversation up to where the assistant's answer starts (for sampling)."""
+        return self._render([{"role": "user", "content": user_message}], generation_prompt=True)
+
     def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
         text = self.tokenizer.hf.apply_chat_template(
             messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt

@@ -8,7 +8,6 @@ come from `training.layouts`; file formats from `training.tensor_reader` and `tr
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import shutil
@@ -43,6 +42,7 @@ from training.tensor_reader import (
     open_checkpoint_file,
     open_safetensors,
     open_torch_file,
+    read_into,
     release_mappings,
 )
 from training.torch_files import SafetensorsWriter, TorchFileWriter, XserWriter
@@ -460,26 +460,19 @@ class RowReader:
 
     def blocks(self, lazy: LazyTensor, step: int | None = None) -> Iterator[torch.Tensor]:
         """The rows of `lazy` in blocks of `step` rows; each block is valid until the next but one."""
-        rows, start = lazy.shape[0], 0
+        rows = lazy.shape[0]
         step = step or self.rows_per_block(lazy)
         row_bytes = lazy.nbytes // lazy.shape[0]
         if not self._buffers or self._buffers[0].numel() < step * row_bytes:
             self._buffers = [torch.empty(step * row_bytes, dtype=torch.uint8) for _ in range(2)]
-        whole = lazy.row_range(start, rows)
+        whole = lazy.row_range(0, rows)
         if whole is None:
             raise ValueError(f"{lazy.path}: tensor is not stored plainly")
         with whole.path.open("rb") as handle:
             for index, first in enumerate(range(0, rows, step)):
                 block_rows = min(step, rows - first)
                 buffer = self._buffers[index % 2][: block_rows * row_bytes]
-                view, done = memoryview(cast(Any, buffer.numpy())), 0
-                while done < len(view):
-                    read = os.preadv(handle.fileno(), [view[done:]], whole.offset + first * row_bytes + done)
-                    if read <= 0:
-                        raise CheckpointError(
-                            f"{whole.path}: truncated (a tensor's data ends past the end of the file)"
-                        )
-                    done += read
+                read_into(handle.fileno(), buffer, whole.offset + first * row_bytes, whole.path)
                 yield buffer.view(lazy.dtype).view(block_rows, *lazy.shape[1:])
 
 

@@ -113,14 +113,16 @@ class TrainingOptimizer:
                     parameter.grad.mul_(scale)
         return norm
 
+    def _local(self) -> Any:
+        """The optimizer holding this rank's state: the local shard of torch's ZeRO-1 wrapper on CPU."""
+        return getattr(self.inner, "optim", self.inner) if parallel.backend() == "cpu" else self.inner
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (its ZeRO-1 shard when sharded)."""
-        inner = getattr(self.inner, "optim", self.inner) if parallel.backend() == "cpu" else self.inner
-        return dict(inner.state_dict())
+        return dict(self._local().state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        inner = getattr(self.inner, "optim", self.inner) if parallel.backend() == "cpu" else self.inner
-        inner.load_state_dict(state)
+        self._local().load_state_dict(state)
 
 
 def _neuron_optimizer(groups: list[dict[str, Any]], settings: OptimizerSection, defaults: dict[str, Any]) -> Any:

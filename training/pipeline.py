@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from training.errors import UserError
-from training.recipe import Recipe, load_recipe, recipe_as_dict
+from training.recipe import Recipe, build_dataclass, load_recipe, recipe_as_dict
 
 TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().parent.parent / "assets" / "slurm"))
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
@@ -79,14 +79,12 @@ class RunPlan:
 def load_site(path: Path | None) -> Site:
     if path is None:
         return Site()
-    from training.recipe import _build
-
     try:
         raw = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as error:
         raise UserError(f"--env-file {path}: cannot read ({error})".replace("\n", " ")) from None
     problems: list[str] = []
-    site = _build(Site, raw or {}, "", problems)
+    site = build_dataclass(Site, raw or {}, "", problems)
     if problems:
         raise UserError(f"--env-file {path}: " + "; ".join(problems))
     return site  # type: ignore[no-any-return]
@@ -100,17 +98,17 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
     run_dir = Path(site.runs_root).absolute() / run_id
     settings = recipe_as_dict(recipe)
     settings["model"]["config"] = str(Path(recipe.model.config).absolute())
-    stages = [s for s in STAGES if s.name not in ("prepare", "convert-in")]
+    skipped = {"prepare"} if recipe.prepare is None else set()
+    skipped |= {"convert-in"} if recipe.model.pretrained is None else set()
+    stages = [s for s in STAGES if s.name not in skipped]
     if recipe.prepare is not None:
         settings["data"]["path"] = str(run_dir / "data")
         settings["prepare"]["source"] = _absolute_if_local(recipe.prepare.source)
         settings["prepare"]["tokenizer"] = str(Path(recipe.prepare.tokenizer or recipe.model.config).absolute())
-        stages.insert(0, STAGES[0])
     else:
         settings["data"]["path"] = str(Path(recipe.data.path).absolute())
     if recipe.model.pretrained is not None:
         settings["model"]["pretrained"] = str(run_dir / "pretrained_weight")
-        stages.insert(1 if recipe.prepare is not None else 0, STAGES[1])
     settings["checkpoint"]["dir"] = str(run_dir / "checkpoints")
     return RunPlan(run_id, run_dir, recipe, settings, site, stages)
 

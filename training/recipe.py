@@ -147,7 +147,7 @@ def load_recipe(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Reci
     for override in overrides:
         apply_override(raw, override, path)
     problems: list[str] = []
-    recipe = _build(Recipe, raw, "", problems)
+    recipe = build_dataclass(Recipe, raw, "", problems)
     if not problems:
         problems += validate(recipe)
     if problems:
@@ -215,7 +215,8 @@ def _divisors(number: int) -> str:
     return ", ".join(str(d) for d in range(1, number + 1) if number % d == 0)
 
 
-def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+def build_dataclass(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    """The frozen dataclass `cls` from a YAML mapping; unknown keys, missing keys and wrong types go to `problems`."""
     if not isinstance(raw, dict):
         problems.append(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping, got {raw!r}")
         return None
@@ -239,7 +240,7 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
 def _coerce(hint: Any, value: Any, key: str, problems: list[str]) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
-        return _build(typing.cast(type, hint), value, f"{key}.", problems)
+        return build_dataclass(typing.cast(type, hint), value, f"{key}.", problems)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

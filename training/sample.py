@@ -24,7 +24,7 @@ def prompt_text(recipe: Recipe, tokenizer_directory: Path, prompt: str) -> str:
     from training.tokenization import load_tokenizer
 
     renderer = ChatRenderer(load_tokenizer(str(tokenizer_directory), num_threads=1))
-    return renderer._render([{"role": "user", "content": prompt}], generation_prompt=True)
+    return renderer.prompt(prompt)
 
 
 def sample(recipe: Recipe, model_directory: Path, output: Path) -> list[dict[str, Any]]:

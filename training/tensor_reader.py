@@ -106,17 +106,22 @@ class LazyTensor:
             )
             return torch.as_strided(storage, self.shape, self.stride, self.storage_offset)
         buffer = torch.empty(self.storage_bytes, dtype=torch.uint8)
-        view, done = memoryview(cast(Any, buffer.numpy())), 0
         with self.path.open("rb") as handle:
-            while done < self.storage_bytes:  # one preadv call returns at most about 2 GiB
-                read = os.preadv(handle.fileno(), [view[done:]], self.offset + done)
-                if read <= 0:
-                    raise CheckpointError(f"{self.path}: truncated (a tensor's data ends past the end of the file)")
-                done += read
+            read_into(handle.fileno(), buffer, self.offset, self.path)
         storage = buffer.view(self.dtype)
         tensor = torch.as_strided(storage, self.shape, self.stride, self.storage_offset)
         whole = self.storage_offset == 0 and tensor.is_contiguous() and tensor.numel() == storage.numel()
         return tensor if whole else tensor.clone()
+
+
+def read_into(fd: int, buffer: torch.Tensor, offset: int, path: Path) -> None:
+    """Fill the uint8 `buffer` with the file's bytes from `offset` (one preadv returns at most about 2 GiB)."""
+    view, done = memoryview(cast(Any, buffer.numpy())), 0
+    while done < len(view):
+        read = os.preadv(fd, [view[done:]], offset + done)
+        if read <= 0:
+            raise CheckpointError(f"{path}: truncated (a tensor's data ends past the end of the file)")
+        done += read
 
 
 # Tensors at least this large are mapped instead of read: no copy, no zeroed pages to fault in.

@@ -136,7 +136,7 @@ def _run(
             flush=True,
         )
     device = parallel.device()
-    first_loss = last_loss = float("nan")
+    losses: list[float] = []
     window_start, window_steps = time.perf_counter(), 0
     try:
         for step in range(start, last):
@@ -158,8 +158,7 @@ def _run(
                 record = _metrics_record(recipe, plan, done, loss, learning_rate, grad_norm, elapsed, window_steps)
                 peak_flops = recipe.peak_tflops_per_worker * 1e12 * parallel.world_size()
                 record["mfu"] = round(flops_per_token * record["tokens_per_second"] / peak_flops, 6)
-                first_loss = loss if first_loss != first_loss else first_loss
-                last_loss = loss
+                losses.append(loss)
                 if metrics is not None:
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
@@ -184,7 +183,8 @@ def _run(
     finally:
         if metrics is not None:
             metrics.close()
-    return {"steps": last, "started_at": start, "first_loss": first_loss, "last_loss": last_loss}
+    first, final = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
+    return {"steps": last, "started_at": start, "first_loss": first, "last_loss": final}
 
 
 def _checkpoint_due(recipe: Recipe, step: int) -> bool:
