@@ -48,15 +48,15 @@ synth-all: deps
 ## The main job, locally: both recipes' tiny variants through the whole Slurm pipeline on a local Slurm
 ## (started and stopped here; Debian's slurm packages are installed when missing, as root).
 demo: deps
-	$(VPY) -m training.demo
+	$(VPY) -m training.local.demo
 
 ## The local Slurm on its own (state in .local-slurm/): `eval "$$(make -s slurm-up | grep ^export)"` to use it.
 slurm-up: deps
-	$(VPY) -m training.local_slurm up
+	$(VPY) -m training.local.slurm up
 slurm-down: deps
-	$(VPY) -m training.local_slurm down
+	$(VPY) -m training.local.slurm down
 slurm-status: deps
-	$(VPY) -m training.local_slurm status
+	$(VPY) -m training.local.slurm status
 
 ## Lint, type-check the pure parts, then run every test.
 test: deps tools lint

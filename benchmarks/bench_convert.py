@@ -52,7 +52,7 @@ CONFIG = {
 def make_checkpoint(directory: Path, layers: int) -> int:
     import torch
 
-    from training.layouts import ModelSpec, hf_shapes
+    from training.formats.layouts import ModelSpec, hf_shapes
 
     config = {**CONFIG, "num_hidden_layers": layers}
     directory.mkdir(parents=True, exist_ok=True)
@@ -72,7 +72,7 @@ def make_checkpoint(directory: Path, layers: int) -> int:
 def reference_forward(source: Path, output: Path, tp: int) -> None:
     import torch
 
-    from training.layouts import ModelSpec, Parallelism, query_head_order
+    from training.formats.layouts import ModelSpec, Parallelism, query_head_order
 
     config = json.loads((source / "config.json").read_text())
     spec = ModelSpec.from_config(config)
@@ -109,7 +109,7 @@ def reference_forward(source: Path, output: Path, tp: int) -> None:
 def reference_reverse(source: Path, output: Path, tp: int) -> None:
     import torch
 
-    from training.layouts import ModelSpec, Parallelism, query_head_order
+    from training.formats.layouts import ModelSpec, Parallelism, query_head_order
 
     spec = ModelSpec.from_config(json.loads((source / "config.json").read_text()))
     ranks = [
@@ -186,7 +186,7 @@ def measured(code: str, *inputs: Path) -> tuple[float, float]:
         "import sys, time\n"
         f"sys.path[:0] = [{str(ROOT)!r}, {str(Path(__file__).parent)!r}]\n"
         # Imports are not timed (the same for every approach); their memory stays in the peak.
-        "import torch, bench_convert, training.convert\n"
+        "import torch, bench_convert, training.formats.convert\n"
         f"started = time.perf_counter()\n{code}\n"
         "peak = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM'))\n"
         "print(time.perf_counter() - started, peak)"
@@ -223,12 +223,12 @@ def main() -> None:
     baseline = measured("pass")
 
     ours_forward = (
-        "from pathlib import Path\nfrom training.convert import ConvertOptions, convert\n"
+        "from pathlib import Path\nfrom training.formats.convert import ConvertOptions, convert\n"
         f"convert(ConvertOptions(source_format='hf', target_format='nxd', input=Path({str(hf)!r}), "
         f"output=Path({str(work / 'ours-nxd')!r}), tp={tp}))"
     )
     ours_reverse = (
-        "from pathlib import Path\nfrom training.convert import ConvertOptions, convert\n"
+        "from pathlib import Path\nfrom training.formats.convert import ConvertOptions, convert\n"
         f"convert(ConvertOptions(source_format='nxd', target_format='hf', input=Path({str(work / 'ours-nxd')!r}), "
         f"output=Path({str(work / 'ours-hf')!r})))"
     )

@@ -50,10 +50,10 @@ def hf_model(architecture: str, directory: Path) -> Any:
 
 
 def our_model(directory: Path, work: Path) -> Any:
-    from training.checkpointing import load_pretrained
-    from training.checkpoints import read_config
-    from training.convert import ConvertOptions, convert
-    from training.model import build_model
+    from training.formats.convert import ConvertOptions, convert
+    from training.formats.hf import read_config
+    from training.model.transformer import build_model
+    from training.train.checkpointing import load_pretrained
 
     weights = work / "nxd"
     convert(ConvertOptions(source_format="hf", target_format="nxd", input=directory, output=weights, tp=1))
@@ -64,7 +64,7 @@ def our_model(directory: Path, work: Path) -> Any:
 
 
 def step_times(model: Any, batches: list[torch.Tensor], ours: bool) -> list[float]:
-    from training.data import shift_labels
+    from training.train.loader import shift_labels
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=["llama", "mixtral"], choices=["llama", "mixtral"])
     arguments = parser.parse_args()
-    from training import parallel
+    from training.model import parallel
 
     parallel.initialize(tp=1, backend="cpu")
     generator = torch.Generator().manual_seed(0)

@@ -100,7 +100,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """What `cdk deploy` starts on the cluster once it exists (a bundled recipe of training/recipes/)."""
+    """What `cdk deploy` starts on the cluster once it exists (a bundled recipe of training/train/recipes/)."""
 
     # Off by default: the recipe's Hugging Face model must first be uploaded to s3://<bucket>/fsx/models/.
     start_run: bool = False
@@ -219,7 +219,7 @@ def validate(config: EnvironmentConfig) -> list[str]:
     return problems
 
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "training" / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "training" / "train" / "recipes"
 
 
 def _validate_pipeline(pipeline: PipelineConfig, bad: typing.Callable[[str, Any, str], None]) -> None:

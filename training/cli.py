@@ -171,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(arguments: argparse.Namespace) -> dict[str, Any]:
     if arguments.command == "convert":
         return _convert(arguments)
-    from training.prepare import PretrainOptions, SftOptions, prepare_pretrain, prepare_sft
-    from training.sources import resolve_source
+    from training.data.prepare import PretrainOptions, SftOptions, prepare_pretrain, prepare_sft
+    from training.data.sources import resolve_source
 
     if arguments.kind == "pretrain":
         return prepare_pretrain(
@@ -213,7 +213,7 @@ def _run(arguments: argparse.Namespace) -> dict[str, Any]:
 
 
 def _convert(arguments: argparse.Namespace) -> dict[str, Any]:
-    from training.convert import ConvertOptions, convert
+    from training.formats.convert import ConvertOptions, convert
 
     return convert(
         ConvertOptions(
@@ -237,8 +237,8 @@ def _convert(arguments: argparse.Namespace) -> dict[str, Any]:
 
 
 def _train(arguments: argparse.Namespace) -> int:
-    from training.recipe import load_recipe
-    from training.train import run_from_cli
+    from training.train.loop import run_from_cli
+    from training.train.recipe import load_recipe
 
     recipe = load_recipe(arguments.recipe, arguments.overrides)
     return run_from_cli(
@@ -247,28 +247,28 @@ def _train(arguments: argparse.Namespace) -> int:
 
 
 def _pipeline(arguments: argparse.Namespace) -> int:
-    from training import pipeline
+    from training.pipeline import runs
 
     if arguments.command == "sample":
-        from training.recipe import load_recipe
-        from training.sample import sample
+        from training.pipeline.sample import sample
+        from training.train.recipe import load_recipe
 
         sample(load_recipe(arguments.recipe), arguments.model, arguments.out)
         return 0
     if arguments.command == "export":
-        from training.export import export
+        from training.pipeline.export import export
 
         export(arguments.run_dir, arguments.to, with_checkpoints=arguments.with_checkpoints)
         return 0
-    site = pipeline.load_site(arguments.env_file)
+    site = runs.load_site(arguments.env_file)
     if arguments.command == "submit":
-        pipeline.submit(
+        runs.submit(
             arguments.recipe, arguments.overrides, run_id=arguments.run_id, site=site, dry_run=arguments.dry_run
         )
         return 0
-    run_dir = pipeline.find_run_dir(site, arguments.run_id)
+    run_dir = runs.find_run_dir(site, arguments.run_id)
     if arguments.command == "cancel":
-        pipeline.cancel(run_dir)
+        runs.cancel(run_dir)
         return 0
-    rows = pipeline.print_status(run_dir)
-    return 1 if any(row["state"] not in ("COMPLETED", *pipeline.ACTIVE_STATES) for row in rows) else 0
+    rows = runs.print_status(run_dir)
+    return 1 if any(row["state"] not in ("COMPLETED", *runs.ACTIVE_STATES) for row in rows) else 0

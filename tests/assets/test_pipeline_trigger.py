@@ -30,7 +30,7 @@ from botocore.response import StreamingBody
 from botocore.stub import Stubber
 from moto import mock_aws
 
-from training.pipeline import RUN_ID
+from training.pipeline.runs import RUN_ID
 
 ROOT = Path(__file__).resolve().parents[2]
 HANDLER_FILE = ROOT / "assets" / "lambda" / "pipeline_trigger" / "handler.py"

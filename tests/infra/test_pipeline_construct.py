@@ -117,6 +117,6 @@ def test_run_outputs_are_published(default_env: Synthesized) -> None:
 def test_shipped_source_is_the_package_templates_and_metadata_only() -> None:
     files = source_files()
     assert {f.parts[0] for f in files} == set(SOURCE_PARTS)
-    assert Path("training/train.py") in files and Path("assets/slurm/distributed.sbatch.j2") in files
+    assert Path("training/train/loop.py") in files and Path("assets/slurm/distributed.sbatch.j2") in files
     assert not any("__pycache__" in str(f) or f.suffix == ".pyc" for f in files)
     assert source_hash() == source_hash() and len(source_hash()) == 64

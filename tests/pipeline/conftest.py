@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from training.errors import UserError
-from training.local_slurm import LocalSlurm, start
+from training.local.slurm import LocalSlurm, start
 
 
 @pytest.fixture(scope="session")

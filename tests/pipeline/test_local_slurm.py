@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from training import local_slurm as module
 from training.errors import UserError
-from training.local_slurm import LocalSlurm, running, start
+from training.local import slurm as module
+from training.local.slurm import LocalSlurm, running, start
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
@@ -127,7 +127,7 @@ def test_command_line_up_status_down(tmp_path: Path) -> None:
     state = tmp_path / "cli"
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "training.local_slurm", *args, "--state-dir", str(state)]
+        command = [sys.executable, "-m", "training.local.slurm", *args, "--state-dir", str(state)]
         return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
     up = cli("up", "--nodes", "2")

@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from training import pipeline
-from training.pipeline import Site
-from training.tiny import make_tiny_sources
-from training.train import KILL_AT_STEP
+from training.local.tiny import make_tiny_sources
+from training.pipeline import runs
+from training.pipeline.runs import Site
+from training.train.loop import KILL_AT_STEP
 
 TIMEOUT = 600
 
@@ -44,12 +44,12 @@ def overrides(world: dict[str, Path], *extra: str) -> list[str]:
 
 
 def run(recipe: str, world: dict[str, Path], site: Site, run_id: str, *extra: str) -> Path:
-    result = pipeline.submit(recipe, overrides(world, *extra), run_id=run_id, site=site, dry_run=False)
+    result = runs.submit(recipe, overrides(world, *extra), run_id=run_id, site=site, dry_run=False)
     return Path(result["run_dir"])
 
 
 def states(run_dir: Path) -> dict[str, str]:
-    return {row["stage"]: row["state"] for row in pipeline.wait(run_dir, timeout=TIMEOUT)}
+    return {row["stage"]: row["state"] for row in runs.wait(run_dir, timeout=TIMEOUT)}
 
 
 def model_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -68,12 +68,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
 @pytest.fixture(scope="module")
 def reference_runs(slurm: Any, sources: dict[str, dict[str, Path]], site: Site) -> dict[str, Path]:
     """Both tiny recipes (10 steps, checkpoints every 5), submitted together and run to the end."""
-    runs = {
+    submitted = {
         "llama": run("tiny-llama-cpt", sources["llama"], site, "llama", "steps=10", "checkpoint.every=5"),
         "mixtral": run("tiny-mixtral-sft", sources["mixtral"], site, "mixtral", "steps=10", "checkpoint.every=5"),
     }
     # Submitting a run that is queued or running does nothing.
-    again = pipeline.submit(
+    again = runs.submit(
         "tiny-llama-cpt",
         overrides(sources["llama"], "steps=10", "checkpoint.every=5"),
         run_id="llama",
@@ -81,13 +81,13 @@ def reference_runs(slurm: Any, sources: dict[str, dict[str, Path]], site: Site) 
         dry_run=False,
     )
     assert again["submitted"] is False
-    return runs
+    return submitted
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
 def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str, Path], site: Site) -> None:
     run_dir = reference_runs[name]
-    assert set(states(run_dir).values()) == {"COMPLETED"}, pipeline.stage_states(run_dir)
+    assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
     record = json.loads((run_dir / "run.json").read_text())
     assert record["stages"] == ["prepare", "convert-in", "compile", "train", "convert-out", "sample", "export"]
     assert len(record["submissions"]) == 1 and set(record["submissions"][0]["jobs"]) == set(record["stages"])
@@ -109,7 +109,7 @@ def test_training_over_two_nodes_matches_one_node(
     run_dir = run(
         "tiny-llama-cpt", sources["llama"], two_nodes, "llama-2-nodes", "steps=10", "checkpoint.every=5", "nodes=2"
     )
-    assert set(states(run_dir).values()) == {"COMPLETED"}, pipeline.stage_states(run_dir)
+    assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
     assert "#SBATCH --nodes=2" in (run_dir / "jobs" / "train.sbatch").read_text()
     log = next((run_dir / "logs").glob("train-*.out")).read_text()
     assert "2 nodes x 1 processes" in log
@@ -130,9 +130,9 @@ def test_killed_training_job_is_requeued_and_ends_with_identical_weights(
         run_dir = run("tiny-llama-cpt", sources["llama"], site, "llama-killed", "steps=10", "checkpoint.every=5")
     finally:
         del os.environ[KILL_AT_STEP]
-    assert set(states(run_dir).values()) == {"COMPLETED"}, pipeline.stage_states(run_dir)
+    assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
     job = json.loads((run_dir / "run.json").read_text())["submissions"][0]["jobs"]["train"]
-    assert pipeline.job_info(job).get("Restarts") == "1"
+    assert runs.job_info(job).get("Restarts") == "1"
     log = (run_dir / "logs" / f"train-{job}.out").read_text()
     assert "fault injection: rank 0 kills itself after step 7" in log and "requeued to resume" in log
     assert "resumed from step 5" in log
@@ -154,16 +154,14 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
     first = states(run_dir)
     assert first["prepare"] == "COMPLETED" and first["convert-in"] == "FAILED"
     assert {first[s] for s in ("compile", "train", "convert-out", "sample", "export")} == {"CANCELLED"}
-    assert pipeline.print_status(run_dir)
+    assert runs.print_status(run_dir)
     printed = capsys.readouterr().out
     assert "convert-in ended FAILED; last lines of" in printed and f"--input {late}: no such directory" in printed
 
     shutil.copytree(sources["llama"]["hf"], late)
-    resumed = pipeline.submit(
-        "tiny-llama-cpt", overrides(world, *extra), run_id="llama-failing", site=site, dry_run=False
-    )
+    resumed = runs.submit("tiny-llama-cpt", overrides(world, *extra), run_id="llama-failing", site=site, dry_run=False)
     assert list(resumed["jobs"]) == ["convert-in", "compile", "train", "convert-out", "sample", "export"]
-    assert set(states(run_dir).values()) == {"COMPLETED"}, pipeline.stage_states(run_dir)
+    assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
 
 
 def test_cancel_stops_every_job_of_the_run(
@@ -178,6 +176,6 @@ def test_cancel_stops_every_job_of_the_run(
     jobs = json.loads((run_dir / "run.json").read_text())["submissions"][0]["jobs"]
     assert f"cancelled jobs {', '.join(sorted(jobs.values(), key=int))}" in capsys.readouterr().out
     final = states(run_dir)
-    assert final["train"] == "CANCELLED" and not set(final.values()) & pipeline.ACTIVE_STATES
+    assert final["train"] == "CANCELLED" and not set(final.values()) & runs.ACTIVE_STATES
     assert main(["status", "--run-id", "llama-cancelled", "--env-file", str(env_file)]) == 1
     assert "CANCELLED" in capsys.readouterr().out

@@ -13,8 +13,8 @@ import pytest
 from stacks.cluster import BOOTSTRAP_SCRIPT, pinned_neuron_release
 from stacks.config import load_environment
 from stacks.pipeline_site import site_settings
-from training.pipeline import Site, plan_run, render
-from training.recipe import load_recipe
+from training.pipeline.runs import Site, plan_run, render
+from training.train.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"

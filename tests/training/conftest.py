@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from training.tiny import (  # noqa: F401  (re-exported for the tests)
+from training.local.tiny import (  # noqa: F401  (re-exported for the tests)
     BOS,
     END_OF_TURN,
     EOS,

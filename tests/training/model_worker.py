@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from training import parallel
-from training.model import build_model, gather_logits
+from training.model import parallel
+from training.model.transformer import build_model, gather_logits
 
 
 def run_case(case: dict[str, Any], out: Path) -> None:

@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tests.training.tiny_models import llama, mixtral
-from training import checkpoints
 from training.cli import main
-from training.convert import ConvertOptions, convert
 from training.errors import UserError
-from training.layouts import ModelSpec, Parallelism, all_rules
+from training.formats import sharded
+from training.formats.convert import ConvertOptions, convert
+from training.formats.layouts import ModelSpec, Parallelism, all_rules
 
 
 def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -73,7 +73,7 @@ def test_streamed_paths_are_exact_across_many_row_blocks(
 ) -> None:
     """Row ranges, column shards read in row blocks and column merges written in row blocks, with blocks
     of a few rows so every block boundary and the double buffering are exercised."""
-    monkeypatch.setattr(checkpoints, "ROW_BLOCK_BYTES", 3 * 32 * 4)
+    monkeypatch.setattr(sharded, "ROW_BLOCK_BYTES", 3 * 32 * 4)
     source = llama(tmp_path / "hf", heads=8, kv_heads=8, layers=2)
     back = round_trip(source, tmp_path, layout, tp=2)
     assert_identical(hf_tensors(source), hf_tensors(back))

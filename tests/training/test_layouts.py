@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from training.errors import UserError
-from training.layouts import (
+from training.formats.layouts import (
     ModelSpec,
     Parallelism,
     all_rules,

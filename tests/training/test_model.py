@@ -24,11 +24,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tests.conftest import ROOT
 from tests.training.tiny_models import LLAMA3_ROPE_SCALING, llama, mixtral
-from training import parallel
-from training.convert import ConvertOptions, convert
 from training.errors import UserError
-from training.layouts import ModelSpec, Parallelism, all_rules, default_kv_multiplier, hf_shapes
-from training.model import build_model, initial_tensor, model_flops_per_token
+from training.formats.convert import ConvertOptions, convert
+from training.formats.layouts import ModelSpec, Parallelism, all_rules, default_kv_multiplier, hf_shapes
+from training.model import parallel
+from training.model.transformer import build_model, initial_tensor, model_flops_per_token
 
 WORKER = Path(__file__).with_name("model_worker.py")
 ATOL = 1e-5

@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 from tests.conftest import ROOT
 from tests.training.conftest import sample_documents, train_tokenizer, write_jsonl
 from training.cli import main
+from training.data.prepare import PretrainOptions, prepare_pretrain
 from training.errors import UserError
-from training.prepare import PretrainOptions, prepare_pretrain
 
 DOCUMENTS = sample_documents(120)
 

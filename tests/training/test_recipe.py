@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from training.data import BatchPlan
 from training.errors import UserError
-from training.optimizer import learning_rate
-from training.recipe import RECIPES_DIR, ScheduleSection, load_recipe, recipe_as_dict
+from training.train.loader import BatchPlan
+from training.train.optimizer import learning_rate
+from training.train.recipe import RECIPES_DIR, ScheduleSection, load_recipe, recipe_as_dict
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))

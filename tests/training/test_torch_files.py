@@ -1,7 +1,7 @@
 """Streaming torch/xser/safetensors writers: files must read back exactly as torch.save / save_file output.
 
 Independent readers are the oracles: real `torch.load` for torch files, `safetensors` for safetensors files and
-`training.tensor_reader.open_xser` (which needs no torch_xla) for xser checkpoints.
+`training.formats.readers.open_xser` (which needs no torch_xla) for xser checkpoints.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.serialization import config as serialization_config
 
-from training import torch_files
-from training.tensor_reader import (
+from training.formats import writers
+from training.formats.readers import (
     CheckpointError,
     LazyTensor,
     Opaque,
@@ -36,7 +36,7 @@ from training.tensor_reader import (
     open_torch_file,
     open_xser,
 )
-from training.torch_files import SafetensorsWriter, TorchFileWriter, XserWriter, safetensors_save_order
+from training.formats.writers import SafetensorsWriter, TorchFileWriter, XserWriter, safetensors_save_order
 
 REPO = Path(__file__).resolve().parents[2]
 # Makes torch compute each storage's offset from the previous one (miniz's layout rules) instead of reading
@@ -253,7 +253,7 @@ def test_zip64_records_and_offsets_are_read_by_torch_and_zipfile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Files over 4 GiB need zip64 fields; lowering the threshold exercises the same code on small data.
-    monkeypatch.setattr(torch_files, "_ZIP64_LIMIT", 300)
+    monkeypatch.setattr(writers, "_ZIP64_LIMIT", 300)
     state = {"big": sample(torch.float32, shape=(40, 10)), "small": sample(torch.int8, seed=1), "e": torch.zeros(0)}
     path = write_torch(tmp_path / "zip64.pt", state)
     with zipfile.ZipFile(path) as archive:
@@ -280,7 +280,7 @@ _MEMORY_SCRIPT = r"""
 import sys
 from pathlib import Path
 import torch
-from training.torch_files import TorchFileWriter
+from training.formats.writers import TorchFileWriter
 
 UNIT = 16 << 20  # one 16 MB tensor
 
@@ -372,7 +372,7 @@ def test_invalid_adds_raise(tmp_path: Path) -> None:
         writer.add("b", torch.ones(2))
 
 
-# ---- damaged files (read with training.tensor_reader) -----------------------------------------------------
+# ---- damaged files (read with training.formats.readers) -----------------------------------------------------
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.97])

@@ -16,10 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from training.cli import main
-from training.convert import ConvertOptions, convert
-from training.data import TrainingData
-from training.tiny import build_tiny_world
-from training.train import KILL_AT_STEP
+from training.formats.convert import ConvertOptions, convert
+from training.local.tiny import build_tiny_world
+from training.train.loader import TrainingData
+from training.train.loop import KILL_AT_STEP
 
 
 @pytest.fixture(scope="module")

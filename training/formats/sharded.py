@@ -1,26 +1,26 @@
-"""Checkpoint directories on disk: Hugging Face, neuronx-distributed (NxD) and NeMo Megatron.
+"""Sharded checkpoint directories: neuronx-distributed (NxD) and NeMo Megatron, one file per rank.
 
-A source yields Hugging Face tensors group by group (embedding, each layer, final norm and head), a
-target consumes them in the same order; `training.convert` streams one into the other. Tensor layouts
-come from `training.layouts`; file formats from `training.tensor_reader` and `training.torch_files`.
+One module because reading and writing both formats share the rank-file naming, the inference of the
+parallel degrees from the files, and the row-block streaming (pread row blocks, column merges written
+block by block) that keeps memory flat whatever the model size. Tensor layouts come from
+`training.formats.layouts`, file formats from `training.formats.readers` and `training.formats.writers`.
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import re
-import shutil
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 
 from training.errors import UserError
-from training.layouts import (
+from training.formats.hf import hf_names_in_order, read_config
+from training.formats.layouts import (
     Chunk,
     Concatenate,
     Format,
@@ -33,220 +33,18 @@ from training.layouts import (
     check_parallelism,
     hf_shapes,
 )
-from training.tensor_reader import (
+from training.formats.readers import (
     CheckpointError,
     FileRange,
     LazyTensor,
     lazy_tensors,
-    nbytes,
     open_checkpoint_file,
-    open_safetensors,
-    open_torch_file,
     read_into,
     release_mappings,
 )
-from training.torch_files import SafetensorsWriter, TorchFileWriter, XserWriter
+from training.formats.writers import TorchFileWriter, XserWriter
 
-CONFIG = "config.json"
-# Copied beside converted weights so the output is usable on its own (transformers, the reverse direction).
-COMPANION_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "chat_template.jinja",
-)
-# Buffers some old Hugging Face checkpoints carry; recomputed by every model, never converted.
-IGNORED_HF_TENSORS = re.compile(r".*\.rotary_emb\.inv_freq$")
 NEMO_CHECKPOINT_META = {"pytorch-lightning_version": "1.9.5", "epoch": 0, "global_step": 0}
-
-
-class Source(Protocol):
-    spec: ModelSpec
-    directory: Path
-    config_path: Path
-
-    def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]: ...
-
-    def read(self, rules: Sequence[Rule]) -> dict[str, torch.Tensor]: ...
-
-
-def read_config(directory: Path, override: Path | None) -> tuple[dict[str, Any], Path]:
-    """The model's config.json: `--config` if given, else beside the weights (or one or two levels up)."""
-    candidates = (
-        [override] if override else [directory / CONFIG, directory.parent / CONFIG, directory.parent.parent / CONFIG]
-    )
-    for candidate in candidates:
-        if candidate and candidate.is_file():
-            try:
-                return dict(json.loads(candidate.read_text())), candidate
-            except json.JSONDecodeError as error:
-                raise UserError(f"{candidate}: not valid JSON ({error.msg})") from None
-    where = override if override else directory / CONFIG
-    raise UserError(
-        f"{where}: missing; the model's config.json is required (pass --config for checkpoints without one)"
-    )
-
-
-def hf_names_in_order(spec: ModelSpec, groups: Sequence[Sequence[Rule]]) -> list[str]:
-    """Hugging Face names in streaming order, each once (a tied head reuses the embedding)."""
-    seen: dict[str, None] = {}
-    for rules in groups:
-        for rule in rules:
-            seen.update(dict.fromkeys(rule.sources))
-    return list(seen)
-
-
-# --- Hugging Face ------------------------------------------------------------------------------------------
-
-
-class HfSource:
-    """config.json plus safetensors (single or sharded), pytorch_model*.bin, or one consolidated .pt."""
-
-    def __init__(self, directory: Path, config_override: Path | None) -> None:
-        self.directory = directory
-        self.config, self.config_path = read_config(directory, config_override)
-        self.spec = ModelSpec.from_config(self.config)
-        self.tensors = self._open_weights()
-        shapes = hf_shapes(self.spec)
-        missing = [name for name in shapes if name not in self.tensors]
-        if missing:
-            raise UserError(f"{directory}: missing tensors for this config, e.g. {', '.join(missing[:3])}")
-        for name, shape in shapes.items():
-            if self.tensors[name].shape != shape:
-                raise UserError(
-                    f"{directory}: {name} has shape {list(self.tensors[name].shape)}, config.json implies {list(shape)}"
-                )
-        self.unexpected = sorted(n for n in self.tensors if n not in shapes and not IGNORED_HF_TENSORS.match(n))
-        if self.unexpected:
-            raise UserError(f"{directory}: tensors this converter does not know, e.g. {', '.join(self.unexpected[:3])}")
-
-    def _open_weights(self) -> dict[str, LazyTensor]:
-        d = self.directory
-        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-            index_path = d / index_name
-            if index_path.is_file():
-                weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-                absent = sorted({f for f in weight_map.values() if not (d / f).is_file()})
-                if absent:
-                    raise UserError(f"{index_path}: names shard files that do not exist: {', '.join(absent)}")
-                return self._open_files([d / f for f in sorted(set(weight_map.values()))])
-        files = sorted(d.glob("*.safetensors")) or sorted(d.glob("pytorch_model*.bin")) or sorted(d.glob("*.pt"))
-        if not files:
-            raise UserError(f"{d}: no weights found (*.safetensors, pytorch_model*.bin or a consolidated .pt)")
-        return self._open_files(files)
-
-    @staticmethod
-    def _open_files(files: Sequence[Path]) -> dict[str, LazyTensor]:
-        tensors: dict[str, LazyTensor] = {}
-        for file in files:
-            try:
-                if file.suffix == ".safetensors":
-                    tensors |= open_safetensors(file)
-                else:
-                    root = open_torch_file(file)
-                    state = root.get("state_dict", root) if isinstance(root, dict) else root
-                    tensors |= dict(lazy_tensors(state))
-            except CheckpointError as error:
-                raise UserError(str(error)) from None
-        return tensors
-
-    def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        return [(name, self.tensors[name].dtype, self.tensors[name].shape) for name in hf_shapes(self.spec)]
-
-    def lazy(self, rule: Rule) -> dict[str, LazyTensor]:
-        return {name: self.tensors[name] for name in rule.sources}
-
-    def read(self, rules: Sequence[Rule]) -> dict[str, torch.Tensor]:
-        names = dict.fromkeys(source for rule in rules for source in rule.sources)
-        try:
-            return {name: self.tensors[name].load() for name in names}
-        except CheckpointError as error:
-            raise UserError(str(error)) from None
-
-
-PlanEntry = tuple[str, torch.dtype, tuple[int, ...]]
-
-
-class HfTarget:
-    """Sharded safetensors with `model.safetensors.index.json`, config and tokenizer files beside them.
-
-    Shards split only between rules, so one rule's tensors land in one file, and files can be written
-    concurrently (one writer per file: the kernel serialises writes to a single file).
-    """
-
-    def __init__(
-        self, directory: Path, plan: Sequence[PlanEntry], groups: Sequence[Sequence[str]], max_shard_bytes: int
-    ) -> None:
-        self.directory = directory
-        self.shards = split_plan(plan, groups, max_shard_bytes)
-        count = len(self.shards)
-        self.files = [
-            f"model-{i + 1:05d}-of-{count:05d}.safetensors" if count > 1 else "model.safetensors" for i in range(count)
-        ]
-        self.location = {name: index for index, shard in enumerate(self.shards) for name, _, _ in shard}
-        self.total_bytes = sum(nbytes(dtype, shape) for _, dtype, shape in plan)
-        self._writers: dict[int, SafetensorsWriter] = {}
-        self._lock = threading.Lock()
-
-    def write(self, tensors: dict[str, torch.Tensor]) -> None:
-        for name, tensor in tensors.items():
-            self._writer_for(name).add(name, tensor)
-
-    def write_ranges(self, name: str, ranges: Sequence[FileRange]) -> None:
-        self._writer_for(name).add_ranges(name, ranges)
-
-    def write_pieces(self, name: str, pieces: Iterable[torch.Tensor]) -> None:
-        self._writer_for(name).add_pieces(name, pieces)
-
-    def _writer_for(self, name: str) -> SafetensorsWriter:
-        index = self.location[name]
-        with self._lock:
-            if index not in self._writers:
-                path = self.directory / self.files[index]
-                self._writers[index] = SafetensorsWriter(path, self.shards[index], metadata={"format": "pt"})
-            return self._writers[index]
-
-    def close(self) -> None:
-        for writer in self._writers.values():
-            writer.close()
-        if len(self.files) > 1:
-            index = {
-                "metadata": {"total_size": self.total_bytes},
-                "weight_map": {name: self.files[i] for name, i in sorted(self.location.items())},
-            }
-            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def split_plan(plan: Sequence[PlanEntry], groups: Sequence[Sequence[str]], max_bytes: int) -> list[list[PlanEntry]]:
-    """The fewest files of at most `max_bytes` (one rule may exceed it alone), balanced in size, cut only
-    between groups (the tensors of one rule)."""
-    entries = {entry[0]: entry for entry in plan}
-    sized: list[tuple[list[PlanEntry], int]] = []
-    seen: set[str] = set()
-    for group in groups:
-        members = [entries[name] for name in group if name in entries and name not in seen]
-        seen.update(entry[0] for entry in members)
-        if members:
-            sized.append((members, sum(nbytes(dtype, shape) for _, dtype, shape in members)))
-    total = sum(size for _, size in sized)
-    count = max(1, -(-total // max_bytes))
-    target = total / count
-    shards: list[list[PlanEntry]] = [[]]
-    size = 0
-    for members, group_size in sized:
-        # Start the next file when this group would end closer to the next file's share than to this one's.
-        if shards[-1] and size + group_size / 2 > target and len(shards) < count:
-            shards.append([])
-            size = 0
-        shards[-1] += members
-        size += group_size
-    return shards
-
-
-# --- sharded layouts ---------------------------------------------------------------------------------------
-
 NXD_FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 NEMO_DIR = re.compile(r"^(?:tp_rank_(\d+)_pp_rank_(\d+)|mp_rank_(\d+))$")
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -674,16 +472,3 @@ class ShardedTarget:
         self.pool.shutdown()
         if self.rank_pool is not None:
             self.rank_pool.shutdown()
-
-
-def copy_companions(source: Path, config_path: Path, target: Path) -> list[str]:
-    """config.json and the tokenizer/generation files beside the weights, so the output stands alone."""
-    shutil.copyfile(config_path, target / CONFIG)
-    copied = [CONFIG]
-    for name in COMPANION_FILES:
-        for folder in (source, config_path.parent):
-            if (folder / name).is_file():
-                shutil.copyfile(folder / name, target / name)
-                copied.append(name)
-                break
-    return copied

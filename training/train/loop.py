@@ -20,15 +20,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training import parallel
-from training.checkpointing import latest_complete_step, load_checkpoint, load_pretrained, save_checkpoint
-from training.checkpoints import copy_companions, read_config
-from training.data import BatchPlan, TrainingData
 from training.errors import UserError
-from training.layouts import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
-from training.model import build_model, model_flops_per_token
-from training.optimizer import TrainingOptimizer
-from training.recipe import Recipe, recipe_as_dict
+from training.formats.hf import copy_companions, read_config
+from training.formats.layouts import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
+from training.model import parallel
+from training.model.transformer import build_model, model_flops_per_token
+from training.train.checkpointing import latest_complete_step, load_checkpoint, load_pretrained, save_checkpoint
+from training.train.loader import BatchPlan, TrainingData
+from training.train.optimizer import TrainingOptimizer
+from training.train.recipe import Recipe, recipe_as_dict
 
 COMPILE_STEPS = 2  # step 1's optimizer graph differs from the steady state of step 2 (REFERENCE.md s7)
 # Fault injection for tests of resume and requeue: the given rank SIGKILLs itself after finishing the step,

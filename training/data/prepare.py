@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from training.block_writer import BlockWriter
-from training.chat import BadExample, ChatRenderer, validate_messages
+from training.data.block_writer import BlockWriter
+from training.data.chat import BadExample, ChatRenderer, validate_messages
+from training.data.packing import IGNORE_INDEX, BlockPacker, Example, PackStats, concatenate_documents, pack_examples
+from training.data.sources import ReadStats, Source, iter_records, resolve_source
+from training.data.tokenization import LoadedTokenizer, load_tokenizer
 from training.errors import UserError
 from training.outputs import atomic_directory, reusable, scratch_directory, write_manifest
-from training.packing import IGNORE_INDEX, BlockPacker, Example, PackStats, concatenate_documents, pack_examples
-from training.sources import ReadStats, Source, iter_records, resolve_source
-from training.tokenization import LoadedTokenizer, load_tokenizer
 
 WRITE_BATCH_BLOCKS = 256  # SFT blocks buffered per Arrow write
 
@@ -221,7 +221,7 @@ def _write_sft_split(
                         ) from None
                     skipped["bad_messages"] += 1
                     continue
-                # A leading assistant turn has no prompt and is not trained (see training.chat).
+                # A leading assistant turn has no prompt and is not trained (see training.data.chat).
                 if not any(m["role"] == "assistant" for m in conversation[1:]):
                     skipped["no_assistant_turn"] += 1
                     continue

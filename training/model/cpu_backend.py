@@ -1,4 +1,4 @@
-"""CPU backend of `training.parallel`: torch.distributed on gloo, the collectives as autograd functions.
+"""CPU backend of `training.model.parallel`: torch.distributed on gloo, the collectives as autograd functions.
 
 Each layer computes what its neuronx-distributed namesake computes, forward and backward, so a model
 sharded over N gloo processes gives the single-process logits and, merged with the layout's rules, the
@@ -56,7 +56,7 @@ def initialize(tp: int) -> None:
             store, rank, world = _launcher_store()
             # A fresh key prefix per initialisation: a process may initialise again after destroy()
             # (the tests run several TP degrees in one torchrun), and old rendezvous keys must not be reused.
-            prefixed = PrefixStore(f"training.parallel.{_generation}", store)
+            prefixed = PrefixStore(f"training.model.parallel.{_generation}", store)
             dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world)
         else:
             store = HashStore()

@@ -124,7 +124,7 @@ _ALIASES = {"global": "global_batch"}
 
 
 def resolve_recipe_path(name_or_path: str) -> Path:
-    """A file path, or the name of a bundled recipe (`llama31-8b-cpt` -> training/recipes/llama31-8b-cpt.yaml)."""
+    """A file path, or the name of a bundled recipe (`llama31-8b-cpt` -> training/train/recipes/llama31-8b-cpt.yaml)."""
     path = Path(name_or_path)
     if path.is_file():
         return path
@@ -173,7 +173,7 @@ def apply_override(raw: dict[str, Any], override: str, path: Path) -> None:
 
 
 def validate(recipe: Recipe) -> list[str]:
-    """Checks that need no files: the ones that need the model or data run at start-up (`training.train`)."""
+    """Checks that need no files: the ones that need the model or data run at start-up (`training.train.loop`)."""
     problems = []
 
     def positive(key: str, value: float) -> None:

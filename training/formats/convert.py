@@ -23,11 +23,12 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
-from training.checkpoints import HfSource, HfTarget, ShardedSource, ShardedTarget, Source, copy_companions
 from training.errors import UserError
-from training.layouts import Parallelism, Rule, all_rules, check_parallelism, default_kv_multiplier
+from training.formats.hf import HfSource, HfTarget, Source, copy_companions
+from training.formats.layouts import Parallelism, Rule, all_rules, check_parallelism, default_kv_multiplier
+from training.formats.readers import nbytes, release_mappings
+from training.formats.sharded import ShardedSource, ShardedTarget
 from training.outputs import atomic_directory, reusable, write_manifest
-from training.tensor_reader import nbytes, release_mappings
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter, from glibc's malloc.h
 CheckpointFormat = Literal["hf", "nxd", "nemo"]

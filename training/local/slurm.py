@@ -6,7 +6,7 @@ the daemons' PIDs. Clients (sbatch, squeue, scontrol, ...) find the cluster thro
 system's Slurm configuration, if any, is never read or changed. It lets the pipeline's real job scripts
 (dependencies, requeue, multi-node srun) run locally exactly as they do on ParallelCluster.
 
-    python -m training.local_slurm up|down|status [--state-dir DIR] [--nodes N]
+    python -m training.local.slurm up|down|status [--state-dir DIR] [--nodes N]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _no_service_starts() -> Iterator[None]:
     original = POLICY_RC_D.read_bytes() if POLICY_RC_D.exists() else None
     mode = POLICY_RC_D.stat().st_mode if original is not None else 0o755
     POLICY_RC_D.write_text(
-        "#!/bin/sh\n# Written by training.local_slurm for one package install: start no service.\nexit 101\n"
+        "#!/bin/sh\n# Written by training.local.slurm for one package install: start no service.\nexit 101\n"
     )
     POLICY_RC_D.chmod(0o755)
     try:
@@ -162,7 +162,7 @@ def render_config(state_dir: Path, nodes: int, ports: Sequence[int], cpus: int) 
     node_list = f"node[1-{nodes}]" if nodes > 1 else "node1"
     return "\n".join(
         [
-            "# Written by training.local_slurm on every `up`; edits are overwritten.",
+            "# Written by training.local.slurm on every `up`; edits are overwritten.",
             "ClusterName=local",
             "SlurmctldHost=localhost(127.0.0.1)",
             f"SlurmctldPort={ports[0]}",
@@ -447,7 +447,7 @@ def stop(state_dir: Path = DEFAULT_STATE_DIR) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done (status: running), 1 status: partly running, 2 error, 3 status: not running."""
-    parser = argparse.ArgumentParser(prog="python -m training.local_slurm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m training.local.slurm", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["up", "down", "status"])
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="default: %(default)s")
     parser.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="for up; default: %(default)s")

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from training.data.packing import IGNORE_INDEX, Example
+from training.data.tokenization import LoadedTokenizer
 from training.errors import UserError
-from training.packing import IGNORE_INDEX, Example
-from training.tokenization import LoadedTokenizer
 
 ROLES = ("system", "user", "assistant")
 

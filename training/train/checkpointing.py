@@ -1,6 +1,6 @@
 """Training checkpoints in neuronx-distributed's layout, so `convert --from nxd` reads them directly.
 
-    <dir>/step_<N>/model/dp_rank_00_tp_rank_XX_pp_rank_00.pt   weights (the nxd layout of training.layouts)
+    <dir>/step_<N>/model/dp_rank_00_tp_rank_XX_pp_rank_00.pt   weights (the nxd layout of training.formats.layouts)
     <dir>/step_<N>/optim/dp_rank_DD_tp_rank_XX_pp_rank_00.pt   each rank's optimizer state (ZeRO-1 shard)
     <dir>/step_<N>/scheduler.pt, user_content.pt               schedule; step and data position
     <dir>/step_<N>/rng/rank_WWWWW.pt                            every rank's random generators
@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training import parallel
-from training.checkpoints import STEP_DIR, ShardedSource, nxd_rank_file
 from training.errors import UserError
-from training.model import CausalLM
-from training.optimizer import TrainingOptimizer
-from training.tensor_reader import CheckpointError
+from training.formats.readers import CheckpointError
+from training.formats.sharded import STEP_DIR, ShardedSource, nxd_rank_file
+from training.model import parallel
+from training.model.transformer import CausalLM
+from training.train.optimizer import TrainingOptimizer
 
 DONE = "done"
 

@@ -1,4 +1,4 @@
-"""Neuron backend of `training.parallel`: each name is the neuronx-distributed / torch-xla one it stands for.
+"""Neuron backend of `training.model.parallel`: each name is the neuronx-distributed / torch-xla one it stands for.
 
 Kept thin on purpose: no logic beyond argument passing, so what runs on Trainium is neuronx-distributed's
 own code. Imported lazily (only on Trainium hosts do `neuronx_distributed` and `torch_xla` exist; their

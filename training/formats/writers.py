@@ -3,7 +3,7 @@
 A checkpoint converter holds about one transformer layer in memory while it writes every tensor-parallel
 rank's shard, so all writers here take tensors one at a time, put each tensor's bytes on disk at once and
 keep only its name, dtype and shape. Nothing here renames files: callers write into a temporary directory.
-Nothing here reads checkpoints either: `training.tensor_reader` does (`open_torch_file`, `open_xser`).
+Nothing here reads checkpoints either: `training.formats.readers` does (`open_torch_file`, `open_xser`).
 
 `TorchFileWriter` lays the zip archive out record for record as PyTorch's own writer (miniz, called from
 `caffe2/serialize/inline_container.cc`) does: every record's data starts on a 64-byte boundary (an "FB"
@@ -37,7 +37,7 @@ from typing import Any, BinaryIO, Final, TypeVar, cast
 
 import torch
 
-from training.tensor_reader import FileRange
+from training.formats.readers import FileRange
 
 __all__ = [
     "SafetensorsWriter",
@@ -80,7 +80,7 @@ class XserTensorReference:
     """Stand-in for `torch_xla.utils.serialization.TensorReference`, so xser files need no torch_xla.
 
     Pickled by `XserWriter` under torch_xla's exact class path (same `__dict__`, `{"tid": n}`); readers see
-    torch_xla's class (`training.tensor_reader.open_xser` reads these files without torch_xla).
+    torch_xla's class (`training.formats.readers.open_xser` reads these files without torch_xla).
     """
 
     def __init__(self, tid: int) -> None:

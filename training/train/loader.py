@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from training.errors import UserError
+from training.model.parallel import IGNORE_INDEX
 from training.outputs import MANIFEST
-from training.parallel import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from typing import Any
 import yaml
 
 from training.errors import UserError
-from training.recipe import Recipe, build_dataclass, load_recipe, recipe_as_dict
+from training.train.recipe import Recipe, build_dataclass, load_recipe, recipe_as_dict
 
-TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().parent.parent / "assets" / "slurm"))
+TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().parents[2] / "assets" / "slurm"))
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 

@@ -2,9 +2,9 @@
 
 Two interchangeable backends with the same tensor-parallel semantics:
 
-- `cpu` (`training.parallel_cpu`): torch.distributed on gloo, autograd functions for the collectives. It is
+- `cpu` (`training.model.cpu_backend`): torch.distributed on gloo, autograd functions for the collectives. It is
   what the tests run; forward and backward equal single-process math.
-- `neuron` (`training.parallel_neuron`): each name maps one-to-one onto neuronx-distributed and torch-xla.
+- `neuron` (`training.model.neuron_backend`): each name maps one-to-one onto neuronx-distributed and torch-xla.
 
 Rank arrangement (both backends, as neuronx-distributed's `initialize_model_parallel`): the world is
 [DP, TP] row-major, so a TP group is `tp` consecutive global ranks and a DP group is the ranks with the same
@@ -35,7 +35,7 @@ IGNORE_INDEX = -100  # label of a position that has no target (prompt tokens, bl
 
 
 class ParallelBackend(Protocol):
-    """What a backend module provides; `training.parallel_cpu` and `training.parallel_neuron` conform."""
+    """What a backend module provides; `training.model.cpu_backend` and `training.model.neuron_backend` conform."""
 
     def initialize(self, tp: int) -> None: ...
     def destroy(self) -> None: ...
@@ -102,12 +102,12 @@ _active_name: Backend | None = None
 def _load(backend: Backend) -> ParallelBackend:
     # Imported on demand: the Neuron backend needs packages that exist only on Trainium hosts.
     if backend == "cpu":
-        from training import parallel_cpu
+        from training.model import cpu_backend
 
-        return parallel_cpu
-    from training import parallel_neuron
+        return cpu_backend
+    from training.model import neuron_backend
 
-    return parallel_neuron
+    return neuron_backend
 
 
 def initialize(tp: int = 1, backend: Backend = "cpu") -> None:
@@ -142,7 +142,7 @@ def backend() -> Backend:
 
 def _backend() -> ParallelBackend:
     if _active is None:
-        raise RuntimeError("training.parallel is not initialized; call parallel.initialize(tp, backend) first")
+        raise RuntimeError("training.model.parallel is not initialized; call parallel.initialize(tp, backend) first")
     return _active
 
 

@@ -1,6 +1,6 @@
-"""Llama 3.x and Mixtral, written once against `training.parallel`, parameters held in the NxD layout.
+"""Llama 3.x and Mixtral, written once against `training.model.parallel`, parameters held in the NxD layout.
 
-The per-rank `state_dict()` is exactly what `training.layouts` defines for "nxd" (`all_rules(spec,
+The per-rank `state_dict()` is exactly what `training.formats.layouts` defines for "nxd" (`all_rules(spec,
 Parallelism(tp, kv_multiplier, fuse_qkv), "nxd")`): a rank file written by `python -m training convert --to
 nxd` loads with `load_state_dict(strict=True)`, and a state dict saved per rank converts back to Hugging
 Face. The numerics follow transformers' LlamaForCausalLM / MixtralForCausalLM: RMSNorm in fp32, RoPE
@@ -22,9 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training import parallel
 from training.errors import UserError
-from training.layouts import ModelSpec, Parallelism, all_rules, check_parallelism, default_kv_multiplier, hf_shapes
+from training.formats.layouts import (
+    ModelSpec,
+    Parallelism,
+    all_rules,
+    check_parallelism,
+    default_kv_multiplier,
+    hf_shapes,
+)
+from training.model import parallel
 
 MoeDispatch = Literal["sparse", "dense"]
 ROPE_TYPES = ("default", "llama3")

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 
 from training.errors import UserError
-from training.recipe import Recipe
+from training.train.recipe import Recipe
 
 
 def prompt_text(recipe: Recipe, tokenizer_directory: Path, prompt: str) -> str:
     if recipe.prepare is None or recipe.prepare.kind != "sft":
         return prompt
-    from training.chat import ChatRenderer
-    from training.tokenization import load_tokenizer
+    from training.data.chat import ChatRenderer
+    from training.data.tokenization import load_tokenizer
 
     renderer = ChatRenderer(load_tokenizer(str(tokenizer_directory), num_threads=1))
     return renderer.prompt(prompt)

@@ -14,15 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-from training import pipeline
 from training.errors import UserError
-from training.tiny import make_tiny_sources
+from training.local.tiny import make_tiny_sources
+from training.pipeline import runs
 
 RECIPES = {"tiny-llama-cpt": ("llama", "work/tiny-llama"), "tiny-mixtral-sft": ("mixtral", "work/tiny-mixtral")}
 
 
 def summarize(run_dir: Path, results: Path, seconds: float) -> bool:
-    rows = pipeline.stage_states(run_dir)
+    rows = runs.stage_states(run_dir)
     completed = all(row["state"] == "COMPLETED" for row in rows)
     print(f"\n== {run_dir.name}: {'COMPLETED' if completed else 'FAILED'} in {seconds:.0f} s")
     for row in rows:
@@ -54,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for the runs")
     parser.add_argument("--keep-slurm", action="store_true", help="leave the local Slurm running afterwards")
     arguments = parser.parse_args(argv)
-    from training.local_slurm import start
+    from training.local.slurm import start
 
     try:
-        site = pipeline.Site(runs_root="work/runs", results="work/results")
+        site = runs.Site(runs_root="work/runs", results="work/results")
         for architecture, root in RECIPES.values():
             print(f"making {root}: tokenizer, random {architecture} model, data source")
             make_tiny_sources(Path(root), architecture)
@@ -66,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
             started = time.monotonic()
-            runs = [
-                Path(pipeline.submit(recipe, [], run_id=f"{recipe}-{stamp}", site=site, dry_run=False)["run_dir"])
+            run_dirs = [
+                Path(runs.submit(recipe, [], run_id=f"{recipe}-{stamp}", site=site, dry_run=False)["run_dir"])
                 for recipe in RECIPES
             ]
             ok = True
-            for run_dir in runs:
-                pipeline.wait(run_dir, timeout=arguments.timeout)
+            for run_dir in run_dirs:
+                runs.wait(run_dir, timeout=arguments.timeout)
                 ok &= summarize(run_dir, Path(site.results).absolute(), time.monotonic() - started)
         finally:
             if not arguments.keep_slurm:

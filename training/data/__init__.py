@@ -1,0 +1,1 @@
+"""Training data: sources, tokenization, chat rendering, packing, and the `prepare` command."""

@@ -1,0 +1,1 @@
+"""Checkpoint formats: one definition of each sharded layout, lazy readers, streaming writers, `convert`."""

@@ -1,0 +1,1 @@
+"""What only a developer machine needs: a local Slurm, the demo, tiny stand-in models. Never shipped."""

@@ -1,0 +1,1 @@
+"""Llama and Mixtral written once against the parallel facade, and the facade's cpu and neuron backends."""

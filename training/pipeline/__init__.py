@@ -1,0 +1,1 @@
+"""A run on Slurm: the job graph (submit, status, cancel), and the sample and export stages."""

@@ -1,0 +1,1 @@
+"""The training job: recipes, data loader, optimizer, training checkpoints and the loop."""
