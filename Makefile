@@ -12,7 +12,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 # Offline: never reach for instance metadata when looking for credentials.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: deps tools synth synth-all demo slurm-up slurm-down slurm-status test lint snapshots clean
+.PHONY: deps tools synth synth-all demo slurm-up slurm-down slurm-status test lint snapshots schemas clean
 
 deps: $(VENV)/.installed node_modules/.installed
 
@@ -70,6 +70,10 @@ lint: deps
 ## Rewrite the template snapshots in tests/infra/snapshots/ after an intended infrastructure change.
 snapshots: deps
 	UPDATE_SNAPSHOTS=1 $(VPY) -m pytest tests/infra/test_snapshots.py tests/pipeline/test_templates.py
+
+## Rewrite the JSON Schemas of the environment file and the recipe after a change of their models.
+schemas: deps
+	$(VPY) -m stacks.schemas
 
 clean:
 	rm -rf cdk.out cdk.out.* .pytest_cache .ruff_cache .mypy_cache work

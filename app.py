@@ -6,7 +6,7 @@ import sys
 from aws_cdk import App
 
 from stacks.application import build_app, environment_from_context
-from stacks.config import ConfigError
+from training.config.loading import ConfigError
 
 app = App()
 try:

@@ -4,29 +4,14 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from aws_cdk import (
-    CfnStack,
-    CustomResource,
-    Fn,
-    RemovalPolicy,
-)
-from aws_cdk import (
-    aws_ec2 as ec2,
-)
-from aws_cdk import (
-    aws_fsx as fsx,
-)
-from aws_cdk import (
-    aws_iam as iam,
-)
-from aws_cdk import (
-    aws_s3 as s3,
-)
-from aws_cdk import (
-    aws_s3_assets as s3_assets,
-)
+from aws_cdk import Aws, CfnStack, CustomResource, Fn, RemovalPolicy
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_fsx as fsx
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3_assets as s3_assets
 from constructs import Construct
 
 if sys.version_info >= (3, 11):
@@ -34,9 +19,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
-from stacks.pcluster_config import ClusterResources, build_cluster_configuration
-from stacks.pipeline_site import shared_env_path
+from stacks.config import PARALLELCLUSTER_VERSION
+from stacks.pcluster_config import ClusterResources, ClusterSettings, build_cluster_configuration
 
 BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "node" / "on_node_configured.sh"
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
@@ -60,6 +44,11 @@ def pinned_neuron_release(script: str) -> str:
     return match.group(1)
 
 
+def bootstrap_neuron_release() -> str:
+    """The Neuron SDK release the cluster's nodes install."""
+    return pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
+
+
 def training_requirements(pyproject: Path = PYPROJECT) -> tuple[str, ...]:
     """The training package's pinned dependencies, for the shared environment on the cluster: torch comes
     from the Neuron packages there, so it is left out (one list of pins: pyproject.toml)."""
@@ -68,38 +57,51 @@ def training_requirements(pyproject: Path = PYPROJECT) -> tuple[str, ...]:
     return tuple(pin for pin in pins if not pin.lower().startswith("torch=="))
 
 
-def bootstrap_arguments(config: EnvironmentConfig, neuron_release: str) -> tuple[str, ...]:
+def bootstrap_arguments(*, neuron_release: str, shared_env: str) -> tuple[str, ...]:
     """Arguments of the OnNodeConfigured script; the shared environment lives on the file system."""
     return (
         "--neuron-release",
         neuron_release,
         "--shared-env",
-        shared_env_path(config, neuron_release),
+        shared_env,
         "--extra-pip",
         ",".join(training_requirements()),
     )
 
 
 class Cluster(Construct):
-    """The ParallelCluster cluster, created and deleted with the stack (never retained)."""
+    """The ParallelCluster cluster, created and deleted with the stack (never retained).
+
+    `head_node_access` and `compute_node_access` are the statements the stack grants each node type on
+    resources outside the cluster; they lead the node policies, before the cluster's own statements.
+    """
 
     def __init__(
         self,
         scope: Construct,
         construct_id: str,
         *,
-        config: EnvironmentConfig,
+        cluster_name: str,
+        settings: ClusterSettings,
+        metrics_namespace: str,
+        neuron_release: str,
+        shared_env: str,
         head_node_subnet: ec2.ISubnet,
         compute_subnet: ec2.ISubnet,
         security_group: ec2.ISecurityGroup,
-        file_system: fsx.LustreFileSystem,
-        bucket: s3.IBucket,
+        file_system: fsx.IFileSystem,
+        head_node_access: Sequence[iam.PolicyStatement],
+        compute_node_access: Sequence[iam.PolicyStatement],
     ) -> None:
         super().__init__(scope, construct_id)
+        self.cluster_name = cluster_name
         self.bootstrap_script = s3_assets.Asset(self, "BootstrapScript", path=str(BOOTSTRAP_SCRIPT))
-        self.neuron_release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
-        self.head_node_policy = self._node_policy("HeadNodePolicy", config, bucket, write=True)
-        self.compute_node_policy = self._node_policy("ComputeNodePolicy", config, bucket, write=False)
+        self.head_node_policy = self._node_policy(
+            "HeadNodePolicy", f"Head nodes of {cluster_name}", head_node_access, metrics_namespace
+        )
+        self.compute_node_policy = self._node_policy(
+            "ComputeNodePolicy", f"Compute nodes of {cluster_name}", compute_node_access, metrics_namespace
+        )
 
         self.provider = CfnStack(
             self,
@@ -114,7 +116,7 @@ class Cluster(Construct):
             head_node_policy_arn=self.head_node_policy.managed_policy_arn,
             compute_node_policy_arn=self.compute_node_policy.managed_policy_arn,
             bootstrap_script_url=self.bootstrap_script.s3_object_url,
-            bootstrap_args=bootstrap_arguments(config, self.neuron_release),
+            bootstrap_args=bootstrap_arguments(neuron_release=neuron_release, shared_env=shared_env),
         )
         self.resource = CustomResource(
             self,
@@ -122,8 +124,8 @@ class Cluster(Construct):
             resource_type="Custom::PclusterCluster",
             service_token=self.provider.get_att("Outputs.ServiceToken").to_string(),
             properties={
-                "ClusterName": config.cluster_name,
-                "ClusterConfiguration": build_cluster_configuration(config, resources),
+                "ClusterName": cluster_name,
+                "ClusterConfiguration": build_cluster_configuration(settings, resources),
                 "DeletionPolicy": "Delete",
             },
             removal_policy=RemovalPolicy.DESTROY,
@@ -132,19 +134,45 @@ class Cluster(Construct):
         self.resource.node.add_dependency(compute_subnet.internet_connectivity_established)
         self.head_node_instance_id = self.resource.get_att_string("headNode.instanceId")
 
+    def head_node_command_access(self) -> list[iam.PolicyStatement]:
+        """Run shell commands through SSM on this cluster's head node only, and read their status."""
+        return [
+            iam.PolicyStatement(
+                actions=["ssm:SendCommand"],
+                resources=[f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:instance/*"],
+                # ParallelCluster tags its instances; the head node's id is known only once it exists.
+                conditions={
+                    "StringEquals": {
+                        "ssm:resourceTag/parallelcluster:cluster-name": self.cluster_name,
+                        "ssm:resourceTag/parallelcluster:node-type": "HeadNode",
+                    }
+                },
+            ),
+            iam.PolicyStatement(
+                actions=["ssm:SendCommand"],
+                resources=[f"arn:{Aws.PARTITION}:ssm:{Aws.REGION}::document/AWS-RunShellScript"],
+            ),
+            # These two have no resource-level permissions (IAM Service Authorization Reference).
+            iam.PolicyStatement(
+                actions=["ssm:GetCommandInvocation", "ssm:DescribeInstanceInformation"], resources=["*"]
+            ),
+        ]
+
     def _node_policy(
-        self, construct_id: str, config: EnvironmentConfig, bucket: s3.IBucket, *, write: bool
+        self,
+        construct_id: str,
+        description: str,
+        access: Sequence[iam.PolicyStatement],
+        metrics_namespace: str,
     ) -> iam.ManagedPolicy:
-        """Least privilege for cluster nodes: this bucket, the bootstrap script, this environment's metrics."""
-        object_actions = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"] if write else ["s3:GetObject"]
+        """Least privilege for cluster nodes: what the stack grants, the bootstrap script, their metrics."""
         return iam.ManagedPolicy(
             self,
             construct_id,
             path=PARALLELCLUSTER_POLICY_PATH,
-            description=f"{'Head' if write else 'Compute'} nodes of {config.cluster_name}",
+            description=description,
             statements=[
-                iam.PolicyStatement(actions=["s3:ListBucket"], resources=[bucket.bucket_arn]),
-                iam.PolicyStatement(actions=object_actions, resources=[bucket.arn_for_objects("*")]),
+                *access,
                 iam.PolicyStatement(
                     actions=["s3:GetObject"],
                     resources=[
@@ -160,7 +188,7 @@ class Cluster(Construct):
                 iam.PolicyStatement(
                     actions=["cloudwatch:PutMetricData"],
                     resources=["*"],
-                    conditions={"StringEquals": {"cloudwatch:namespace": f"Trainium/{config.name}"}},
+                    conditions={"StringEquals": {"cloudwatch:namespace": metrics_namespace}},
                 ),
             ],
         )

@@ -6,7 +6,6 @@ from aws_cdk import CfnResource, Stack
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
-from stacks.config import EnvironmentConfig
 from stacks.log_groups import log_group_with_retention
 
 
@@ -16,13 +15,21 @@ class Network(Construct):
     EFA needs every node in one subnet and one zone, so the VPC has exactly one of each subnet kind.
     """
 
-    def __init__(self, scope: Construct, construct_id: str, *, config: EnvironmentConfig) -> None:
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        vpc_cidr: str,
+        availability_zone: str,
+        log_retention_days: int,
+    ) -> None:
         super().__init__(scope, construct_id)
         self.vpc = ec2.Vpc(
             self,
             "Vpc",
-            ip_addresses=ec2.IpAddresses.cidr(config.network.vpc_cidr),
-            availability_zones=[config.availability_zone],
+            ip_addresses=ec2.IpAddresses.cidr(vpc_cidr),
+            availability_zones=[availability_zone],
             nat_gateways=1,
             subnet_configuration=[
                 ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=24),
@@ -30,7 +37,7 @@ class Network(Construct):
             ],
             gateway_endpoints={"S3": ec2.GatewayVpcEndpointOptions(service=ec2.GatewayVpcEndpointAwsService.S3)},
         )
-        flow_log_group = log_group_with_retention(self, "FlowLogs", config.logging.retention_days)
+        flow_log_group = log_group_with_retention(self, "FlowLogs", log_retention_days)
         self.vpc.add_flow_log(
             "FlowLog",
             destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),

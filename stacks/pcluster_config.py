@@ -1,4 +1,4 @@
-"""The ParallelCluster cluster configuration, built as a plain dict from the typed environment.
+"""The ParallelCluster cluster configuration, built as a plain dict from narrow typed inputs.
 
 Kept free of CDK so it can be unit-tested and validated by the real `aws-parallelcluster` schema: the
 values in `ClusterResources` may be CloudFormation tokens at synth time and placeholder ids in tests.
@@ -6,12 +6,27 @@ values in `ClusterResources` may be CloudFormation tokens at synth time and plac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from stacks.config import EnvironmentConfig
+from stacks.config import ComputeConfig, HeadNodeConfig
 
 SSM_MANAGED_INSTANCE_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSettings:
+    """The environment's settings that the cluster configuration uses (the stack picks them out)."""
+
+    region: str
+    os: str
+    head_node: HeadNodeConfig
+    compute: ComputeConfig
+    ssh_key_name: str | None
+    mount_dir: str
+    log_retention_days: int
+    tags: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -28,18 +43,18 @@ class ClusterResources:
     bootstrap_args: tuple[str, ...]
 
 
-def build_cluster_configuration(config: EnvironmentConfig, resources: ClusterResources) -> dict[str, Any]:
+def build_cluster_configuration(settings: ClusterSettings, resources: ClusterResources) -> dict[str, Any]:
     """The `ClusterConfiguration` object of `Custom::PclusterCluster` (same shape as the cluster YAML)."""
-    compute = config.compute
+    compute = settings.compute
     bootstrap = {"OnNodeConfigured": {"Script": resources.bootstrap_script_url, "Args": list(resources.bootstrap_args)}}
     head_node: dict[str, Any] = {
-        "InstanceType": config.head_node.instance_type,
+        "InstanceType": settings.head_node.instance_type,
         "Networking": {
             "SubnetId": resources.head_node_subnet_id,
             # Our own group replaces the one ParallelCluster would create, which opens SSH to AllowedIps.
             "SecurityGroups": [resources.security_group_id],
         },
-        "LocalStorage": {"RootVolume": {"Size": config.head_node.root_volume_gib, "Encrypted": True}},
+        "LocalStorage": {"RootVolume": {"Size": settings.head_node.root_volume_gib, "Encrypted": True}},
         "Iam": {
             "AdditionalIamPolicies": [
                 {"Policy": SSM_MANAGED_INSTANCE_CORE},
@@ -49,8 +64,8 @@ def build_cluster_configuration(config: EnvironmentConfig, resources: ClusterRes
         "CustomActions": bootstrap,
         "Imds": {"Secured": True},
     }
-    if config.network.ssh_key_name:
-        head_node["Ssh"] = {"KeyName": config.network.ssh_key_name}
+    if settings.ssh_key_name:
+        head_node["Ssh"] = {"KeyName": settings.ssh_key_name}
     queue = {
         "Name": compute.queue_name,
         "CapacityType": compute.capacity_type,
@@ -75,8 +90,8 @@ def build_cluster_configuration(config: EnvironmentConfig, resources: ClusterRes
         "JobExclusiveAllocation": True,
     }
     cluster: dict[str, Any] = {
-        "Region": config.region,
-        "Image": {"Os": config.os},
+        "Region": settings.region,
+        "Image": {"Os": settings.os},
         "HeadNode": head_node,
         "Scheduling": {
             "Scheduler": "slurm",
@@ -90,7 +105,7 @@ def build_cluster_configuration(config: EnvironmentConfig, resources: ClusterRes
             {
                 "Name": "fsx",
                 "StorageType": "FsxLustre",
-                "MountDir": config.storage.mount_dir,
+                "MountDir": settings.mount_dir,
                 "FsxLustreSettings": {"FileSystemId": resources.file_system_id},
             }
         ],
@@ -98,15 +113,15 @@ def build_cluster_configuration(config: EnvironmentConfig, resources: ClusterRes
             "Logs": {
                 "CloudWatch": {
                     "Enabled": True,
-                    "RetentionInDays": config.logging.retention_days,
+                    "RetentionInDays": settings.log_retention_days,
                     "DeletionPolicy": "Delete",
                 }
             },
             "Dashboards": {"CloudWatch": {"Enabled": True}},
         },
     }
-    if config.tags:
-        cluster["Tags"] = [{"Key": key, "Value": value} for key, value in sorted(config.tags.items())]
+    if settings.tags:
+        cluster["Tags"] = [{"Key": key, "Value": value} for key, value in sorted(settings.tags.items())]
     return cluster
 
 

@@ -10,9 +10,11 @@ CloudFormation waits only for the submission (seconds), never for training: the 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from aws_cdk import Aws, CustomResource, Duration, Stack
+from aws_cdk import CustomResource, Duration, IgnoreStrategy, Stack
 from aws_cdk import aws_fsx as fsx
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
@@ -22,28 +24,47 @@ from aws_cdk import aws_stepfunctions as sfn
 from aws_cdk import custom_resources as cr
 from constructs import Construct
 
-from stacks.config import EnvironmentConfig
+from stacks.config import PipelineConfig
 from stacks.log_groups import log_group_with_retention
-from stacks.pipeline_site import site_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 HANDLER_DIR = ROOT / "assets" / "lambda" / "pipeline_trigger"
 # What the head node needs to run the pipeline: the package, the job templates, the project metadata.
 SOURCE_PARTS = ("training", "assets", "pyproject.toml")
-SOURCE_EXCLUDE = ("__pycache__", ".pyc", ".mypy_cache", ".ruff_cache")
+# Never shipped from those parts: what only a developer machine needs (local Slurm, demo, tiny models),
+# caches and hidden files. Tests and benchmarks are not among SOURCE_PARTS.
+SOURCE_NEVER = ("training/local", "training/local/**", "__pycache__", "*.pyc", ".*")
+# The one definition of what is shipped, as CDK asset exclude patterns (globs; the last pattern that
+# matches a path decides; a pattern without '/' matches a base name at any depth; '*' skips hidden names):
+# everything, but SOURCE_PARTS, but not SOURCE_NEVER. The upload applies it, and so does `source_files`.
+SOURCE_EXCLUDE = (
+    "*",
+    ".*",
+    *(f"!{part}" for part in SOURCE_PARTS),
+    *(f"!{part}/**" for part in SOURCE_PARTS),
+    *SOURCE_NEVER,
+)
 SSM_OUTPUT_PREFIX = "pipeline/ssm-output/"
 # The id CDK gives the one BucketDeployment handler of a stack (a fixed UUID and the memory limit).
 BUCKET_DEPLOYMENT_HANDLER = "Custom::CDKBucketDeployment8693BB64968944B69AAFB0CC9EB8756C512MiB"
 
 
 def source_files(root: Path = ROOT) -> list[Path]:
-    """The shipped files, relative to the repository root, in a stable order."""
-    files: list[Path] = []
-    for part in SOURCE_PARTS:
-        path = root / part
-        candidates = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        files += [p.relative_to(root) for p in candidates if not any(x in str(p) for x in SOURCE_EXCLUDE)]
-    return files
+    """The shipped files, relative to `root`, in a stable order: what CDK stages for the upload, selected
+    by CDK's own matcher with SOURCE_EXCLUDE and walked as CDK does (an excluded directory is not entered)."""
+    root = root.resolve()
+    ignores = IgnoreStrategy.glob(str(root), list(SOURCE_EXCLUDE)).ignores
+
+    def walk(directory: Path) -> Iterator[Path]:
+        for path in sorted(directory.iterdir(), key=lambda p: p.name):
+            if ignores(str(path)):
+                continue
+            if path.is_dir():
+                yield from walk(path)
+            elif path.is_file():
+                yield path.relative_to(root)
+
+    return list(walk(root))
 
 
 def source_hash(root: Path = ROOT) -> str:
@@ -57,27 +78,35 @@ def source_hash(root: Path = ROOT) -> str:
 
 
 class Pipeline(Construct):
-    """The training pipeline tied to the stack's lifecycle (see the module docstring)."""
+    """The training pipeline tied to the stack's lifecycle (see the module docstring).
+
+    `handler_access` is what the stack grants the handlers on the cluster and the storage (commands to the
+    head node, their output in the bucket, exports of the file system); it leads the handler role's policy.
+    """
 
     def __init__(
         self,
         scope: Construct,
         construct_id: str,
         *,
-        config: EnvironmentConfig,
+        environment_name: str,
+        cluster_name: str,
+        pipeline: PipelineConfig,
+        site_settings: Mapping[str, Any],
+        log_retention_days: int,
         bucket: s3.IBucket,
-        file_system: fsx.LustreFileSystem,
+        file_system: fsx.IFileSystem,
+        file_system_mount_dir: str,
         head_node_instance_id: str,
-        neuron_release: str,
+        handler_access: Sequence[iam.PolicyStatement],
     ) -> None:
         super().__init__(scope, construct_id)
         digest = source_hash()
         prefix = f"pipeline/source/{digest}/"
-        staged = [f"!{part}" for part in SOURCE_PARTS] + [f"!{part}/**" for part in SOURCE_PARTS[:2]]
         self.source = s3_deployment.BucketDeployment(
             self,
             "Source",
-            sources=[s3_deployment.Source.asset(str(ROOT), exclude=["*", *staged, "**/__pycache__", "**/*.pyc"])],
+            sources=[s3_deployment.Source.asset(str(ROOT), exclude=list(SOURCE_EXCLUDE))],
             destination_bucket=bucket,
             destination_key_prefix=prefix,
             prune=False,  # earlier commits' sources stay: their runs may still read them
@@ -91,12 +120,13 @@ class Pipeline(Construct):
             self,
             "HandlerRole",
             assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
-            description=f"Pipeline trigger of {config.cluster_name}: its head node, bucket and file system only",
+            description=f"Pipeline trigger of {cluster_name}: its head node, bucket and file system only",
         )
-        self._grant(config, bucket, file_system)
+        for statement in handler_access:
+            self.handler_role.add_to_policy(statement)
         functions = {}
         for name, entry in (("OnEvent", "handler.on_event"), ("IsComplete", "handler.is_complete")):
-            logs = log_group_with_retention(self, f"{name}Logs", config.logging.retention_days)
+            logs = log_group_with_retention(self, f"{name}Logs", log_retention_days)
             logs.grant_write(self.handler_role)  # its own log groups, instead of the broad basic-execution policy
             functions[name] = lambda_.Function(
                 self,
@@ -109,7 +139,7 @@ class Pipeline(Construct):
                 memory_size=256,
                 log_group=logs,
             )
-        timeout = Duration.minutes(config.pipeline.timeout_minutes)
+        timeout = Duration.minutes(pipeline.timeout_minutes)
         # The handlers fail with their own reason at `timeout`; the framework's bound comes later.
         framework_timeout = Duration.seconds(timeout.to_seconds() + 120)
         self.provider = cr.Provider(
@@ -119,10 +149,7 @@ class Pipeline(Construct):
             is_complete_handler=functions["IsComplete"],
             query_interval=Duration.seconds(10),
             total_timeout=framework_timeout,
-            log_group=log_group_with_retention(self, "ProviderLogs", config.logging.retention_days),
-        )
-        settings = site_settings(
-            config, neuron_release=neuron_release, results_uri=f"s3://{bucket.bucket_name}/results"
+            log_group=log_group_with_retention(self, "ProviderLogs", log_retention_days),
         )
         self.resource = CustomResource(
             self,
@@ -130,18 +157,18 @@ class Pipeline(Construct):
             resource_type="Custom::TrainingPipeline",
             service_token=self.provider.service_token,
             properties={
-                "EnvironmentName": config.name,
-                "ClusterName": config.cluster_name,
+                "EnvironmentName": environment_name,
+                "ClusterName": cluster_name,
                 "HeadNodeInstanceId": head_node_instance_id,
-                "StartRun": "true" if config.pipeline.start_run else "false",
-                "Recipe": config.pipeline.recipe,
-                "RecipeOverrides": list(config.pipeline.overrides),
+                "StartRun": "true" if pipeline.start_run else "false",
+                "Recipe": pipeline.recipe,
+                "RecipeOverrides": list(pipeline.overrides),
                 "SourceBucket": bucket.bucket_name,
                 "SourceKey": prefix,
                 "SourceHash": digest,
-                "SiteSettings": stack.to_json_string(settings),
+                "SiteSettings": stack.to_json_string(dict(site_settings)),
                 "FileSystemId": file_system.file_system_id,
-                "FileSystemMountDir": config.storage.mount_dir,
+                "FileSystemMountDir": file_system_mount_dir,
                 "OutputBucket": bucket.bucket_name,
                 "OutputPrefix": SSM_OUTPUT_PREFIX,
                 "TimeoutSeconds": str(int(timeout.to_seconds())),
@@ -164,50 +191,3 @@ class Pipeline(Construct):
             for construct in scope.node.find_all():
                 if isinstance(construct, lambda_.CfnFunction | sfn.CfnStateMachine):
                     construct.add_metadata("cfn-lint", {"config": {"ignore_checks": ["W3005"]}})
-
-    def _grant(self, config: EnvironmentConfig, bucket: s3.IBucket, file_system: fsx.LustreFileSystem) -> None:
-        """Commands only to this cluster's head node; this bucket's output prefix; this file system."""
-        role = self.handler_role
-        instance_arn = f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:instance/*"
-        role.add_to_policy(
-            iam.PolicyStatement(
-                actions=["ssm:SendCommand"],
-                resources=[instance_arn],
-                conditions={
-                    "StringEquals": {
-                        "ssm:resourceTag/parallelcluster:cluster-name": config.cluster_name,
-                        "ssm:resourceTag/parallelcluster:node-type": "HeadNode",
-                    }
-                },
-            )
-        )
-        role.add_to_policy(
-            iam.PolicyStatement(
-                actions=["ssm:SendCommand"],
-                resources=[f"arn:{Aws.PARTITION}:ssm:{Aws.REGION}::document/AWS-RunShellScript"],
-            )
-        )
-        # These two have no resource-level permissions (IAM Service Authorization Reference).
-        role.add_to_policy(
-            iam.PolicyStatement(
-                actions=["ssm:GetCommandInvocation", "ssm:DescribeInstanceInformation"], resources=["*"]
-            )
-        )
-        role.add_to_policy(
-            iam.PolicyStatement(actions=["s3:GetObject"], resources=[bucket.arn_for_objects(f"{SSM_OUTPUT_PREFIX}*")])
-        )
-        role.add_to_policy(
-            iam.PolicyStatement(
-                actions=["fsx:CreateDataRepositoryTask"],
-                resources=[
-                    f"arn:{Aws.PARTITION}:fsx:{Aws.REGION}:{Aws.ACCOUNT_ID}:file-system/{file_system.file_system_id}",
-                    f"arn:{Aws.PARTITION}:fsx:{Aws.REGION}:{Aws.ACCOUNT_ID}:task/*",
-                ],
-            )
-        )
-        role.add_to_policy(
-            iam.PolicyStatement(
-                actions=["fsx:DescribeDataRepositoryTasks"],
-                resources=[f"arn:{Aws.PARTITION}:fsx:{Aws.REGION}:{Aws.ACCOUNT_ID}:task/*"],
-            )
-        )

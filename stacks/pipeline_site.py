@@ -1,4 +1,4 @@
-"""The Slurm pipeline's site settings for a deployed environment (`python -m training submit --env-file`).
+"""The Slurm pipeline's site settings for a deployed environment (`python -m training submit --site`).
 
 Derived from the environment file, so the job scripts on the cluster follow the reviewed settings: runs on
 the shared file system, results exported to the results bucket (which outlives the stack), the Neuron
@@ -11,6 +11,7 @@ from typing import Any
 
 from stacks.config import EnvironmentConfig
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES
+from training.config.site import Site
 
 
 def shared_env_path(config: EnvironmentConfig, neuron_release: str) -> str:
@@ -19,20 +20,22 @@ def shared_env_path(config: EnvironmentConfig, neuron_release: str) -> str:
 
 
 def site_settings(config: EnvironmentConfig, *, neuron_release: str, results_uri: str) -> dict[str, Any]:
+    """The site file's content, built with the model `python -m training submit --site` loads it with."""
     facts = COMPUTE_INSTANCE_TYPES[config.compute.instance_type]
     mount = config.storage.mount_dir
-    return {
-        "name": config.name,
-        "runs_root": f"{mount}/runs",
-        "results": results_uri,
-        "python": f"{shared_env_path(config, neuron_release)}/bin/python",
-        "setup": [],
-        "partition": config.compute.queue_name,
-        "processes_per_node": facts.neuron_cores,
-        "exclusive": True,
-        "neuron": True,
-        "efa": config.compute.efa,
-        "compile_cache": f"{mount}/neuron-cache",
-        "max_restarts": 3,
-        "time_minutes": 0,
-    }
+    site = Site(
+        name=config.name,
+        runs_root=f"{mount}/runs",
+        results=results_uri,
+        python=f"{shared_env_path(config, neuron_release)}/bin/python",
+        setup=(),
+        partition=config.compute.queue_name,
+        processes_per_node=facts.neuron_cores,
+        exclusive=True,
+        neuron=True,
+        efa=config.compute.efa,
+        compile_cache=f"{mount}/neuron-cache",
+        max_restarts=3,
+        time_minutes=0,
+    )
+    return site.model_dump(mode="json")

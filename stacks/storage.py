@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from aws_cdk import RemovalPolicy
+from aws_cdk import Aws, RemovalPolicy
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_fsx as fsx
+from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
-
-from stacks.config import EnvironmentConfig
 
 # Lustre server ports FSx documents for client and intra-file-system traffic.
 LUSTRE_PORTS = (ec2.Port.tcp(988), ec2.Port.tcp_range(1018, 1023))
@@ -26,7 +25,8 @@ class Storage(Construct):
         scope: Construct,
         construct_id: str,
         *,
-        config: EnvironmentConfig,
+        fsx_capacity_gib: int,
+        fsx_s3_prefix: str,
         vpc: ec2.IVpc,
         subnet: ec2.ISubnet,
         client_security_group: ec2.ISecurityGroup,
@@ -54,14 +54,14 @@ class Storage(Construct):
         for port in LUSTRE_PORTS:
             self.file_system_security_group.add_ingress_rule(client_security_group, port, "Lustre from cluster nodes")
 
-        repository = f"s3://{self.bucket.bucket_name}/{config.storage.fsx_s3_prefix}"
+        repository = f"s3://{self.bucket.bucket_name}/{fsx_s3_prefix}"
         self.file_system = fsx.LustreFileSystem(
             self,
             "FileSystem",
             vpc=vpc,
             vpc_subnet=subnet,
             security_group=self.file_system_security_group,
-            storage_capacity_gib=config.storage.fsx_capacity_gib,
+            storage_capacity_gib=fsx_capacity_gib,
             lustre_configuration=fsx.LustreConfiguration(
                 deployment_type=fsx.LustreDeploymentType.SCRATCH_2,
                 import_path=repository,
@@ -73,3 +73,30 @@ class Storage(Construct):
         # FSx reads the bucket when it is created, so the bucket policy must exist first.
         if self.bucket.policy is not None:
             self.file_system.node.add_dependency(self.bucket.policy)
+
+    # Access to storage, as statements the stack hands to the constructs that need it (like a Lambda
+    # function's `initial_policy`), so they lead the principal's policy.
+
+    def results_access(self, *, write: bool) -> list[iam.PolicyStatement]:
+        """List the results bucket and read its objects; with `write`, also put and delete them."""
+        object_actions = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"] if write else ["s3:GetObject"]
+        return [
+            iam.PolicyStatement(actions=["s3:ListBucket"], resources=[self.bucket.bucket_arn]),
+            iam.PolicyStatement(actions=object_actions, resources=[self.bucket.arn_for_objects("*")]),
+        ]
+
+    def results_read_access(self, prefix: str) -> list[iam.PolicyStatement]:
+        """Read the results bucket's objects under `prefix` only."""
+        return [iam.PolicyStatement(actions=["s3:GetObject"], resources=[self.bucket.arn_for_objects(f"{prefix}*")])]
+
+    def export_access(self) -> list[iam.PolicyStatement]:
+        """Start data repository tasks (exports to the bucket) on this file system and follow them."""
+        fsx_arn = f"arn:{Aws.PARTITION}:fsx:{Aws.REGION}:{Aws.ACCOUNT_ID}"
+        tasks = f"{fsx_arn}:task/*"  # a task's id exists only once it is created
+        return [
+            iam.PolicyStatement(
+                actions=["fsx:CreateDataRepositoryTask"],
+                resources=[f"{fsx_arn}:file-system/{self.file_system.file_system_id}", tasks],
+            ),
+            iam.PolicyStatement(actions=["fsx:DescribeDataRepositoryTasks"], resources=[tasks]),
+        ]

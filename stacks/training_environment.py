@@ -1,15 +1,35 @@
-"""The stack of one environment: wires network, storage and cluster together and publishes the outputs."""
+"""The stack of one environment: wires network, storage, cluster and pipeline together, grants each the
+access it needs to the others, and publishes the outputs.
+
+This is the only code that reads the whole environment; each construct gets only the settings it uses.
+"""
 
 from __future__ import annotations
 
 from aws_cdk import CfnOutput, Environment, Stack, Tags
 from constructs import Construct
 
-from stacks.cluster import Cluster
+from stacks.cluster import Cluster, bootstrap_neuron_release
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
 from stacks.network import Network
-from stacks.pipeline import Pipeline
+from stacks.pcluster_config import ClusterSettings
+from stacks.pipeline import SSM_OUTPUT_PREFIX, Pipeline
+from stacks.pipeline_site import shared_env_path, site_settings
 from stacks.storage import Storage
+
+
+def cluster_settings(config: EnvironmentConfig) -> ClusterSettings:
+    """The environment's settings that the ParallelCluster configuration uses."""
+    return ClusterSettings(
+        region=config.region,
+        os=config.os,
+        head_node=config.head_node,
+        compute=config.compute,
+        ssh_key_name=config.network.ssh_key_name,
+        mount_dir=config.storage.mount_dir,
+        log_retention_days=config.logging.retention_days,
+        tags=config.tags,
+    )
 
 
 class TrainingEnvironmentStack(Stack):
@@ -33,35 +53,63 @@ class TrainingEnvironmentStack(Stack):
         for key, value in sorted(config.tags.items()):
             Tags.of(self).add(key, value)
 
-        self.network = Network(self, "Network", config=config)
+        retention_days = config.logging.retention_days
+        self.network = Network(
+            self,
+            "Network",
+            vpc_cidr=config.network.vpc_cidr,
+            availability_zone=config.availability_zone,
+            log_retention_days=retention_days,
+        )
         self.storage = Storage(
             self,
             "Storage",
-            config=config,
+            fsx_capacity_gib=config.storage.fsx_capacity_gib,
+            fsx_s3_prefix=config.storage.fsx_s3_prefix,
             vpc=self.network.vpc,
             subnet=self.network.private_subnet,
-            client_security_group=self.network.cluster_security_group,
+            client_security_group=self.network.cluster_security_group,  # the Lustre ports open to the nodes
         )
+        neuron_release = bootstrap_neuron_release()
         self.cluster = Cluster(
             self,
             "Cluster",
-            config=config,
+            cluster_name=config.cluster_name,
+            settings=cluster_settings(config),
+            metrics_namespace=f"Trainium/{config.name}",
+            neuron_release=neuron_release,
+            shared_env=shared_env_path(config, neuron_release),
             head_node_subnet=self.network.private_subnet,
             compute_subnet=self.network.private_subnet,
             security_group=self.network.cluster_security_group,
             file_system=self.storage.file_system,
-            bucket=self.storage.bucket,
+            # The head node reads and writes results; compute nodes read them.
+            head_node_access=self.storage.results_access(write=True),
+            compute_node_access=self.storage.results_access(write=False),
         )
 
         head_node = self.cluster.head_node_instance_id
+        bucket = self.storage.bucket
         self.pipeline = Pipeline(
             self,
             "Pipeline",
-            config=config,
-            bucket=self.storage.bucket,
+            environment_name=config.name,
+            cluster_name=config.cluster_name,
+            pipeline=config.pipeline,
+            site_settings=site_settings(
+                config, neuron_release=neuron_release, results_uri=f"s3://{bucket.bucket_name}/results"
+            ),
+            log_retention_days=retention_days,
+            bucket=bucket,
             file_system=self.storage.file_system,
+            file_system_mount_dir=config.storage.mount_dir,
             head_node_instance_id=head_node,
-            neuron_release=self.cluster.neuron_release,
+            # Commands to this cluster's head node, their output in the bucket, exports of the file system.
+            handler_access=[
+                *self.cluster.head_node_command_access(),
+                *self.storage.results_read_access(SSM_OUTPUT_PREFIX),
+                *self.storage.export_access(),
+            ],
         )
         CfnOutput(self, "ClusterName", value=config.cluster_name, description="ParallelCluster cluster name")
         CfnOutput(self, "HeadNodeInstanceId", value=head_node, description="EC2 instance id of the head node")

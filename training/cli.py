@@ -1,20 +1,26 @@
 """`python -m training ...`: one entry point for every step of the pipeline.
 
-User mistakes (training.errors.UserError) are printed as one line, `error: ...`, with exit status 2;
-nothing else is caught, so real bugs keep their traceback.
+One convention for every subcommand: `--input` for the one path a command reads, `--output` for what it
+writes, `--run-dir` for a run directory, `--site FILE` (or $TRAINING_SITE) for the site settings. Results
+(JSON summaries, the `status` table) go to stdout, logs to stderr (`training.logs`). User mistakes
+(training.errors.UserError) are printed as one line, `error: ...`, with exit status 2; nothing else is
+caught, so real bugs keep their traceback. Also installed as the console script `trainium-training`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from training.errors import UserError
+from training.logs import LEVEL_VARIABLE, setup_logging
 
 DEFAULT_PRETRAIN_SOURCE = "wikicorpus:raw_en"  # the first source document's corpus
 DEFAULT_PRETRAIN_SEQ_LEN = 8192  # Llama 3.1 8B block size in the reference example
@@ -23,17 +29,99 @@ DEFAULT_SFT_SEQ_LEN = 2048
 DEFAULT_SFT_VALIDATION_SPLIT = "test"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    prepare = commands.add_parser("prepare", help="tokenize and pack training data").add_subparsers(
-        dest="kind", required=True
+SCRIPT = "trainium-training"  # the console script ([project.scripts] in pyproject.toml)
+PACKAGE = "trainium-training-environments"
+SITE_VARIABLE = "TRAINING_SITE"  # default of --site
+RECIPES_DIRECTORY = Path(__file__).resolve().parent / "train" / "recipes"
+EXAMPLES = {  # one per subcommand, shown by --help; {prog} is `python -m training` or the console script
+    "prepare pretrain": "{prog} prepare pretrain --tokenizer /fsx/models/Llama-3.1-8B --output /fsx/data/wikicorpus-8k",
+    "prepare sft": "{prog} prepare sft --tokenizer /fsx/models/Mixtral-8x7B-v0.1 --output /fsx/data/no-robots-2k",
+    "convert": "{prog} convert --from hf --to nxd --input /fsx/models/Llama-3.1-8B --output /fsx/ckpt/llama --tp 32",
+    "train": "torchrun --nproc_per_node 32 -m training train --recipe llama31-8b-cpt --resume",
+    "submit": "{prog} submit --recipe llama31-8b-cpt --site /fsx/pipeline/site-default.yaml steps=100",
+    "status": "{prog} status --site /fsx/pipeline/site-default.yaml",
+    "cancel": "{prog} cancel --run-id llama31-8b-cpt-20250601-120000 --site /fsx/pipeline/site-default.yaml",
+    "sample": "{prog} sample --recipe RUN_DIR/recipe.yaml --input RUN_DIR/hf --output RUN_DIR/samples.json",
+    "export": "{prog} export --run-dir RUN_DIR --output s3://BUCKET/results/RUN_ID",
+}
+
+
+def program_name() -> str:
+    """`trainium-training` when run as the console script, else `python -m training`."""
+    return SCRIPT if Path(sys.argv[0]).name == SCRIPT else "python -m training"
+
+
+def package_version() -> str:
+    """The installed distribution's version, else the one in pyproject.toml (a source checkout)."""
+    try:
+        return importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        found = (
+            re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE) if pyproject.is_file() else None
+        )
+        return found.group(1) if found else "unknown"
+
+
+def bundled_recipes() -> list[str]:
+    """Names `--recipe` accepts besides a file (globbed, so `--help` imports no recipe code)."""
+    return sorted(path.stem for path in RECIPES_DIRECTORY.glob("*.yaml"))
+
+
+def _epilog(prog: str) -> str:
+    examples = "\n".join(f"  {example.format(prog=prog)}" for example in EXAMPLES.values())
+    return (
+        f"bundled recipes (--recipe NAME): {', '.join(bundled_recipes()) or '(none)'}\n\n"
+        f"examples:\n{examples}\n\n"
+        f"environment:\n"
+        f"  {SITE_VARIABLE:<20}site settings file used when --site is not given (submit, status, cancel)\n"
+        f"  {LEVEL_VARIABLE:<20}log level: DEBUG, INFO (default), WARNING or ERROR; logs go to stderr"
     )
 
-    pretrain = prepare.add_parser("pretrain", help="a text corpus into fixed-length blocks for pretraining")
+
+def _command(commands: Any, name: str, text: str, prog: str, example: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name,
+        help=text,
+        description=text,
+        epilog=f"example:\n  {example.format(prog=prog)}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # flags are spelled out: an abbreviation would break when a flag is added
+    )
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    prog = program_name()
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.splitlines()[0],
+        epilog=_epilog(prog),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    prepare = commands.add_parser(
+        "prepare",
+        help="tokenize and pack training data",
+        description="tokenize and pack training data",
+        epilog="examples:\n"
+        + "\n".join(f"  {EXAMPLES[k].format(prog=prog)}" for k in ("prepare pretrain", "prepare sft")),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    ).add_subparsers(dest="kind", required=True, metavar="KIND")
+
+    pretrain = _command(
+        prepare,
+        "pretrain",
+        "a text corpus into fixed-length blocks for pretraining",
+        prog,
+        EXAMPLES["prepare pretrain"],
+    )
     _common_arguments(pretrain, DEFAULT_PRETRAIN_SOURCE, DEFAULT_PRETRAIN_SEQ_LEN)
     pretrain.add_argument("--text-column", default="text", help="column holding the document text (default: text)")
-    pretrain.add_argument("--max-documents", type=int, help="stop after this many documents")
+    pretrain.add_argument("--max-documents", type=int, help="stop after this many documents (default: all)")
     pretrain.add_argument(
         "--add-bos", action=argparse.BooleanOptionalAction, default=True, help="BOS before every document"
     )
@@ -46,7 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="pad the final partial block (pad token, else EOS) instead of dropping it",
     )
 
-    sft = prepare.add_parser("sft", help="chat conversations into packed blocks with assistant-only labels")
+    sft = _command(
+        prepare,
+        "sft",
+        "chat conversations into packed blocks with assistant-only labels",
+        prog,
+        EXAMPLES["prepare sft"],
+    )
     _common_arguments(sft, DEFAULT_SFT_SOURCE, DEFAULT_SFT_SEQ_LEN)
     sft.add_argument("--messages-column", default="messages", help="column of [{role, content}] lists")
     sft.add_argument(
@@ -54,11 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"validation data: a split name for a hub dataset (default: {DEFAULT_SFT_VALIDATION_SPLIT}), "
         "a file or directory for local data (default: none); 'none' to skip",
     )
-    sft.add_argument("--max-examples", type=int, help="stop after this many examples per split")
+    sft.add_argument("--max-examples", type=int, help="stop after this many examples per split (default: all)")
 
-    convert = commands.add_parser("convert", help="convert checkpoints between hf, nxd and nemo layouts")
-    convert.add_argument("--from", dest="source_format", required=True, choices=("hf", "nxd", "nemo"))
-    convert.add_argument("--to", dest="target_format", required=True, choices=("hf", "nxd", "nemo"))
+    formats = ("hf", "nxd", "nemo")
+    convert = _command(
+        commands, "convert", "convert checkpoints between hf, nxd and nemo layouts", prog, EXAMPLES["convert"]
+    )
+    convert.add_argument(
+        "--from", dest="source_format", required=True, choices=formats, help="layout of the input checkpoint"
+    )
+    convert.add_argument("--to", dest="target_format", required=True, choices=formats, help="layout to write")
     convert.add_argument("--input", required=True, type=Path, help="checkpoint directory to read")
     convert.add_argument("--output", required=True, type=Path, help="directory to write (created atomically)")
     convert.add_argument("--tp", type=int, help="tensor-parallel degree to write (nxd, nemo)")
@@ -78,47 +177,75 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--verify", action="store_true", help="read the output back and compare with the input")
     convert.add_argument(
-        "--workers", type=int, default=min(8, os.cpu_count() or 1), help="threads cutting and writing shards"
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="threads cutting and writing shards (default: %(default)s)",
     )
     convert.add_argument(
         "--max-shard-size", default="2GB", help="hf output shard size; shards are written in parallel (default: 2GB)"
     )
 
-    train = commands.add_parser("train", help="train with a recipe (launch with torchrun, one process per worker)")
-    train.add_argument("--recipe", required=True, help="recipe YAML file, or the name of a bundled recipe")
+    recipe_help = "recipe YAML file, or the name of a bundled recipe (listed by --help)"
+    train = _command(
+        commands, "train", "train with a recipe (launch with torchrun, one process per worker)", prog, EXAMPLES["train"]
+    )
+    train.add_argument("--recipe", required=True, help=recipe_help)
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. batch.micro=2")
     train.add_argument(
         "--resume",
-        choices=("latest",),
-        help="continue from the newest complete checkpoint in checkpoint.dir (a fresh start if there is none)",
+        action="store_true",
+        help="continue from the newest complete checkpoint in checkpoint.dir if there is one (else start fresh)",
     )
     train.add_argument(
         "--compile", action="store_true", help="run exactly 2 steps and save nothing (for neuron_parallel_compile)"
     )
     train.add_argument("--metrics", type=Path, help="JSON lines file (default: <checkpoint.dir>/metrics.jsonl)")
 
-    submit = commands.add_parser("submit", help="submit a recipe's whole pipeline to Slurm as one dependency graph")
-    submit.add_argument("--recipe", required=True, help="recipe YAML file, or the name of a bundled recipe")
+    site_help = (
+        f"site settings YAML: runs root, results, python, partition... (default: ${SITE_VARIABLE}, "
+        "else local defaults: runs in work/runs)"
+    )
+    submit = _command(
+        commands,
+        "submit",
+        "submit a recipe's whole pipeline to Slurm as one dependency graph",
+        prog,
+        EXAMPLES["submit"],
+    )
+    submit.add_argument("--recipe", required=True, help=recipe_help)
     submit.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. steps=100")
     submit.add_argument("--run-id", help="name of the run (default: <recipe>-<UTC time>); an existing run resumes")
-    submit.add_argument("--env-file", type=Path, help="site settings YAML (runs root, results, python, partition...)")
+    submit.add_argument("--site", type=Path, metavar="FILE", help=site_help)
     submit.add_argument("--dry-run", action="store_true", help="print the job scripts and the graph, submit nothing")
     for name, text in (
         ("status", "stages of a run with Slurm state, time and training progress"),
         ("cancel", "cancel every job of a run"),
     ):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("--run-id", required=name == "cancel", help="run (default for status: the newest)")
-        command.add_argument("--env-file", type=Path, help="site settings YAML (where the runs are)")
+        command = _command(commands, name, text, prog, EXAMPLES[name])
+        command.add_argument(
+            "--run-id",
+            required=name == "cancel",
+            help="the run" + (" (default: the newest)" if name == "status" else ""),
+        )
+        command.add_argument("--site", type=Path, metavar="FILE", help=site_help)
 
-    sample = commands.add_parser("sample", help="greedy and top-k answers of a trained Hugging Face model")
-    sample.add_argument("--recipe", required=True, help="recipe (prompts, chat format)")
-    sample.add_argument("--model", required=True, type=Path, help="Hugging Face model directory")
-    sample.add_argument("--out", required=True, type=Path, help="JSON file to write")
+    sample = _command(
+        commands, "sample", "greedy and top-k answers of a trained Hugging Face model", prog, EXAMPLES["sample"]
+    )
+    sample.add_argument("--recipe", required=True, help="recipe (prompts, chat format): " + recipe_help)
+    sample.add_argument("--input", required=True, type=Path, help="Hugging Face model directory to read")
+    sample.add_argument("--output", required=True, type=Path, help="JSON file to write")
 
-    export = commands.add_parser("export", help="copy a run's model, metrics, samples and logs to S3 or a directory")
-    export.add_argument("--run-dir", required=True, type=Path)
-    export.add_argument("--to", required=True, help="s3://bucket/prefix or a directory")
+    export = _command(
+        commands,
+        "export",
+        "copy a run's model, metrics, samples and logs to S3 or a directory",
+        prog,
+        EXAMPLES["export"],
+    )
+    export.add_argument("--run-dir", required=True, type=Path, help="run directory (<runs_root>/<run-id>)")
+    export.add_argument("--output", required=True, help="where to copy: s3://bucket/prefix or a directory")
     export.add_argument("--with-checkpoints", action="store_true", help="also copy the training checkpoints")
     return parser
 
@@ -143,7 +270,7 @@ def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int
     )
     parser.add_argument("--tokenizer", required=True, help="directory of a Hugging Face fast tokenizer")
     parser.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per block (default: {seq_len})")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (datasets.load_from_disk)")
+    parser.add_argument("--output", required=True, type=Path, help="directory to write (datasets.load_from_disk)")
     parser.add_argument("--split", default="train", help="split of a hub dataset (default: train)")
     parser.add_argument(
         "--num-proc", type=int, default=os.cpu_count() or 1, help="tokenizer threads (default: all cores)"
@@ -153,8 +280,10 @@ def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 done, 1 `status` of a failed run, 2 user error (argparse's own errors included)."""
     arguments = build_parser().parse_args(argv)
     try:
+        setup_logging(training=arguments.command == "train")
         if arguments.command == "train":
             return _train(arguments)
         if arguments.command in ("submit", "status", "cancel", "sample", "export"):
@@ -180,7 +309,7 @@ def _run(arguments: argparse.Namespace) -> dict[str, Any]:
                 source=arguments.source,
                 tokenizer=arguments.tokenizer,
                 seq_len=arguments.seq_len,
-                out=arguments.out,
+                out=arguments.output,
                 text_column=arguments.text_column,
                 split=arguments.split,
                 num_proc=arguments.num_proc,
@@ -200,7 +329,7 @@ def _run(arguments: argparse.Namespace) -> dict[str, Any]:
             source=arguments.source,
             tokenizer=arguments.tokenizer,
             seq_len=arguments.seq_len,
-            out=arguments.out,
+            out=arguments.output,
             messages_column=arguments.messages_column,
             split=arguments.split,
             validation=None if validation in (None, "none") else validation,
@@ -237,30 +366,38 @@ def _convert(arguments: argparse.Namespace) -> dict[str, Any]:
 
 
 def _train(arguments: argparse.Namespace) -> int:
+    from training.config.recipe import load_recipe
     from training.train.loop import run_from_cli
-    from training.train.recipe import load_recipe
 
     recipe = load_recipe(arguments.recipe, arguments.overrides)
-    return run_from_cli(
-        recipe, resume=arguments.resume == "latest", compile_only=arguments.compile, metrics=arguments.metrics
-    )
+    return run_from_cli(recipe, resume=arguments.resume, compile_only=arguments.compile, metrics=arguments.metrics)
+
+
+def site_file(given: Path | None, environ: Mapping[str, str] = os.environ) -> Path | None:
+    """--site, else $TRAINING_SITE, else None (the local defaults)."""
+    if given is not None:
+        return given
+    from_environment = environ.get(SITE_VARIABLE, "").strip()
+    return Path(from_environment) if from_environment else None
 
 
 def _pipeline(arguments: argparse.Namespace) -> int:
     from training.pipeline import runs
 
     if arguments.command == "sample":
+        from training.config.recipe import load_recipe
         from training.pipeline.sample import sample
-        from training.train.recipe import load_recipe
 
-        sample(load_recipe(arguments.recipe), arguments.model, arguments.out)
+        sample(load_recipe(arguments.recipe), arguments.input, arguments.output)
         return 0
     if arguments.command == "export":
         from training.pipeline.export import export
 
-        export(arguments.run_dir, arguments.to, with_checkpoints=arguments.with_checkpoints)
+        export(arguments.run_dir, arguments.output, with_checkpoints=arguments.with_checkpoints)
         return 0
-    site = runs.load_site(arguments.env_file)
+    from training.config.site import load_site
+
+    site = load_site(site_file(arguments.site))
     if arguments.command == "submit":
         runs.submit(
             arguments.recipe, arguments.overrides, run_id=arguments.run_id, site=site, dry_run=arguments.dry_run

@@ -38,7 +38,7 @@ def reusable(final: Path, fingerprint: dict[str, Any], *, overwrite: bool) -> di
         return None
     if manifest is None:
         raise UserError(
-            f"{final} already exists and was not written by this tool; choose another --out or pass --overwrite"
+            f"{final} already exists and was not written by this tool; choose another --output or pass --overwrite"
         )
     differing = sorted(
         key
@@ -47,7 +47,7 @@ def reusable(final: Path, fingerprint: dict[str, Any], *, overwrite: bool) -> di
     )
     raise UserError(
         f"{final} already holds an output made with different inputs ({', '.join(differing)}); "
-        "choose another --out or pass --overwrite"
+        "choose another --output or pass --overwrite"
     )
 
 

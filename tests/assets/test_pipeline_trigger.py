@@ -30,6 +30,7 @@ from botocore.response import StreamingBody
 from botocore.stub import Stubber
 from moto import mock_aws
 
+from training.cli import build_parser
 from training.pipeline.runs import RUN_ID
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -347,7 +348,7 @@ def test_create_submits_on_the_head_node(aws: None, stubbers: Callable[[str], tu
         '"$python" -m training submit \\',
         "  --recipe llama31-8b-cpt \\",
         f"  --run-id {run_id} \\",
-        '  --env-file "$site_file" \\',
+        '  --site "$site_file" \\',
         "  steps=100 \\",
     ]
 
@@ -681,7 +682,7 @@ def test_delete_with_a_live_head_node_cancels_then_exports(
     assert command["Parameters"]["commands"] == cancel.splitlines()
     assert f"run_id={run_id}" in cancel.splitlines()
     assert (
-        '  PYTHONPATH="$source_dir" "$python" -m training cancel --run-id "$run_id" --env-file "$site_file" || true'
+        '  PYTHONPATH="$source_dir" "$python" -m training cancel --run-id "$run_id" --site "$site_file" || true'
         in cancel.splitlines()
     )
     state = poll_event(event, result)
@@ -831,7 +832,7 @@ import json, sys
 from pathlib import Path
 
 args = sys.argv[1:]
-site = json.loads(Path(args[args.index("--env-file") + 1]).read_text())
+site = json.loads(Path(args[args.index("--site") + 1]).read_text())
 runs = Path(site["runs_root"])
 with open(runs / "calls.jsonl", "a") as log:
     log.write(json.dumps(args) + "\\n")
@@ -939,8 +940,10 @@ def test_submit_script_runs_with_hostile_values_quoted(head_node: dict[str, Any]
     site_file = mount / "pipeline" / "site-default.yaml"
     source_dir = mount / "pipeline" / "source-0a1b2c3d"
     calls = [json.loads(line) for line in (runs / "calls.jsonl").read_text().splitlines()]
-    expected = ["submit", "--recipe", "llama31-8b-cpt", "--run-id", run_id, "--env-file", str(site_file), *HOSTILE]
+    expected = ["submit", "--recipe", "llama31-8b-cpt", "--run-id", run_id, "--site", str(site_file), *HOSTILE]
     assert calls == [expected, expected]
+    parsed = build_parser().parse_args(expected)  # what the stand-in recorded, the real CLI accepts
+    assert (parsed.command, parsed.site, parsed.overrides) == ("submit", site_file, HOSTILE)
     assert not list(head_node["tmp"].rglob("pwned*"))
     aws_calls = (head_node["tmp"] / "aws.log").read_text().splitlines()
     recursive = "--recursive " if source_key.endswith("/") else ""
@@ -985,9 +988,10 @@ def test_cancel_script_never_fails(head_node: dict[str, Any]) -> None:
         "cancel",
         "--run-id",
         run_id,
-        "--env-file",
+        "--site",
         str(head_node["mount"] / "pipeline" / "site-default.yaml"),
     ]
+    assert build_parser().parse_args(calls[-1]).run_id == run_id
 
 
 # --- Pure helpers -----------------------------------------------------------------------------------------

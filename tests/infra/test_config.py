@@ -104,12 +104,12 @@ RULES = {
     "fsx capacity": (
         {"storage.fsx_capacity_gib": 1000},
         "environments-under-test/candidate.yaml: storage.fsx_capacity_gib: 1000 is not allowed; "
-        "allowed for SCRATCH_2: 1200 or a multiple of 2400 (2400, 4800, ...)",
+        "allowed: 1200 or a multiple of 2400 (2400, 4800, ...) for SCRATCH_2",
     ),
     "fsx capacity not a multiple of 2400": (
         {"storage.fsx_capacity_gib": 3600},
         "environments-under-test/candidate.yaml: storage.fsx_capacity_gib: 3600 is not allowed; "
-        "allowed for SCRATCH_2: 1200 or a multiple of 2400 (2400, 4800, ...)",
+        "allowed: 1200 or a multiple of 2400 (2400, 4800, ...) for SCRATCH_2",
     ),
     "cluster name pattern": (
         {"cluster_name": "1st_cluster"},
@@ -237,8 +237,27 @@ def test_app_rejects_bad_environment_without_traceback_or_output(tmp_path: Path)
     assert result.returncode == 1
     assert result.stderr.strip() == (
         "error: environments/zz-invalid-under-test.yaml: storage.fsx_capacity_gib: 1000 is not allowed; "
-        "allowed for SCRATCH_2: 1200 or a multiple of 2400 (2400, 4800, ...)"
+        "allowed: 1200 or a multiple of 2400 (2400, 4800, ...) for SCRATCH_2"
     )
     assert "Traceback" not in result.stderr
     # The CDK App creates its output directory when constructed; nothing may be written into it.
     assert not any((tmp_path / "out").iterdir())
+
+
+def test_duplicate_keys_are_reported_with_their_lines(env_dir: Path) -> None:
+    path = write_environment(env_dir, {})
+    path.write_text(path.read_text() + "region: eu-west-1\n")
+    first = next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.startswith("region:"))
+    last = len(path.read_text().splitlines())
+    with pytest.raises(ConfigError) as raised:
+        load_environment("candidate", env_dir)
+    assert raised.value.problems == [
+        f"environments-under-test/candidate.yaml: region: appears twice (lines {first} and {last}); "
+        "allowed: each key once"
+    ]
+
+
+def test_environment_objects_are_frozen() -> None:
+    config = load_environment("default", ENVIRONMENTS_DIR)
+    with pytest.raises(ValueError, match="frozen"):
+        config.compute.max_count = 8  # type: ignore[misc]

@@ -7,18 +7,33 @@ local semantic validators (tests/support/pcluster_offline.py stubs only the AWS 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
+import sys
 from typing import Any
 
 import pytest
 
 from stacks.application import ENVIRONMENTS_DIR
-from stacks.cluster import BOOTSTRAP_SCRIPT, bootstrap_arguments, pinned_neuron_release
+from stacks.cluster import (
+    BOOTSTRAP_SCRIPT,
+    PYPROJECT,
+    bootstrap_arguments,
+    pinned_neuron_release,
+    training_requirements,
+)
 from stacks.config import load_environment
 from stacks.pcluster_config import ClusterResources, build_cluster_configuration
+from stacks.pipeline_site import shared_env_path
+from stacks.training_environment import cluster_settings
 from tests.conftest import ENVIRONMENT_NAMES, Synthesized
 from tests.support.pcluster_offline import errors_of, validate_cluster_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 ACCOUNT = "123456789012"
 
@@ -98,9 +113,9 @@ RESOURCES = ClusterResources(
 
 
 def test_builder_is_pure_and_uses_every_resource() -> None:
-    config = load_environment("default", ENVIRONMENTS_DIR)
-    first = build_cluster_configuration(config, RESOURCES)
-    assert first == build_cluster_configuration(config, RESOURCES)
+    settings = cluster_settings(load_environment("default", ENVIRONMENTS_DIR))
+    first = build_cluster_configuration(settings, RESOURCES)
+    assert first == build_cluster_configuration(settings, RESOURCES)
     text = repr(first)
     for value in (RESOURCES.head_node_subnet_id, RESOURCES.security_group_id, RESOURCES.file_system_id):
         assert value in text
@@ -115,15 +130,18 @@ def test_builder_output_passes_parallelcluster_validation_for_every_environment(
     for name in ENVIRONMENT_NAMES:
         config = load_environment(name, ENVIRONMENTS_DIR)
         findings = validate_cluster_config(
-            build_cluster_configuration(config, RESOURCES), cluster_name=config.cluster_name, region=config.region
+            build_cluster_configuration(cluster_settings(config), RESOURCES),
+            cluster_name=config.cluster_name,
+            region=config.region,
         )
         assert errors_of(findings) == [], name
 
 
 def test_ssh_key_is_optional_and_off_by_default() -> None:
-    config = load_environment("default", ENVIRONMENTS_DIR)
-    assert "Ssh" not in build_cluster_configuration(config, RESOURCES)["HeadNode"]
-    with_key = type(config)(**{**config.__dict__, "network": type(config.network)(ssh_key_name="ops")})
+    settings = cluster_settings(load_environment("default", ENVIRONMENTS_DIR))
+    assert settings.ssh_key_name is None
+    assert "Ssh" not in build_cluster_configuration(settings, RESOURCES)["HeadNode"]
+    with_key = dataclasses.replace(settings, ssh_key_name="ops")
     assert build_cluster_configuration(with_key, RESOURCES)["HeadNode"]["Ssh"] == {"KeyName": "ops"}
 
 
@@ -131,7 +149,7 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
     release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
     assert re.fullmatch(r"\d+\.\d+\.\d+", release)
     config = load_environment("default", ENVIRONMENTS_DIR)
-    arguments = bootstrap_arguments(config, release)
+    arguments = bootstrap_arguments(neuron_release=release, shared_env=shared_env_path(config, release))
     assert arguments[:4] == ("--neuron-release", release, "--shared-env", f"/fsx/envs/neuron-{release}")
     # The training package's pins from pyproject.toml go into the shared venv; torch comes from Neuron.
     assert arguments[4] == "--extra-pip"
@@ -140,3 +158,14 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
     assert not any(pin.startswith("torch==") for pin in pins)
     with pytest.raises(ValueError, match="pins no NEURON_RELEASE"):
         pinned_neuron_release("#!/bin/bash\n")
+
+
+def test_cluster_installs_the_training_pins_only() -> None:
+    """The shared environment on the cluster gets the package's runtime pins (less torch, which comes from
+    Neuron): no CDK (infra) or test and lint (dev) pin is installed on a node."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    extras = project["optional-dependencies"]
+    pins = set(training_requirements())
+    assert pins == {pin for pin in (*project["dependencies"], *extras["training"]) if not pin.startswith("torch==")}
+    developer_only = (set(extras["infra"]) | set(extras["dev"])) - set(extras["training"])
+    assert developer_only and not pins & developer_only

@@ -1,14 +1,19 @@
 """CDK assertions on the post-deploy trigger: the custom resource, its properties, what it depends on (so
-destroy cancels and exports before the file system goes) and the least-privilege role of its handlers."""
+destroy cancels and exports before the file system goes), the least-privilege role of its handlers, and
+exactly which files it ships to the cluster."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
-from stacks.pipeline import SOURCE_PARTS, source_files, source_hash
-from tests.conftest import Synthesized
+from aws_cdk import App, Stack
+from aws_cdk import aws_s3_assets as s3_assets
+
+from stacks.pipeline import SOURCE_EXCLUDE, SOURCE_PARTS, source_files, source_hash
+from tests.conftest import ROOT, Synthesized
 
 
 def pipeline_resource(env: Synthesized) -> tuple[str, dict[str, Any]]:
@@ -114,9 +119,73 @@ def test_run_outputs_are_published(default_env: Synthesized) -> None:
         assert outputs[output]["Value"] == {"Fn::GetAtt": [name, attribute]}
 
 
-def test_shipped_source_is_the_package_templates_and_metadata_only() -> None:
-    files = source_files()
-    assert {f.parts[0] for f in files} == set(SOURCE_PARTS)
-    assert Path("training/train/loop.py") in files and Path("assets/slurm/distributed.sbatch.j2") in files
-    assert not any("__pycache__" in str(f) or f.suffix == ".pyc" for f in files)
+# --- what is shipped to the cluster ---------------------------------------------------------------
+
+
+def tracked_files(*paths: str) -> set[Path]:
+    """Files git tracks under `paths`, plus new ones it does not ignore (work in progress counts)."""
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *paths],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return {Path(name) for name in listing.split("\0") if name and (ROOT / name).is_file()}
+
+
+def is_developer_only(path: Path) -> bool:
+    return path.parts[:2] == ("training", "local") or path.parts[0] in ("tests", "benchmarks")
+
+
+def test_shipped_source_is_exactly_the_tracked_package_templates_and_metadata() -> None:
+    shipped = source_files()
+    assert len(shipped) == len(set(shipped))
+    expected = {path for path in tracked_files(*SOURCE_PARTS) if path.parts[:2] != ("training", "local")}
+    assert set(shipped) == expected
+    assert not [path for path in shipped if is_developer_only(path)]
+    assert {path.parts[0] for path in shipped} == set(SOURCE_PARTS)
+    for key in ("training/cli.py", "training/train/loop.py", "training/train/recipes/llama31-8b-cpt.yaml"):
+        assert Path(key) in shipped
+    assert Path("assets/slurm/distributed.sbatch.j2") in shipped and Path("pyproject.toml") in shipped
     assert source_hash() == source_hash() and len(source_hash()) == 64
+
+
+def test_upload_is_exactly_the_shipped_files(default_env: Synthesized) -> None:
+    """The directory CDK staged for the BucketDeployment holds `source_files()`, byte for byte."""
+    ((_, deployment),) = default_env.resources_of_type("Custom::CDKBucketDeployment").items()
+    (key,) = deployment["Properties"]["SourceObjectKeys"]
+    staged = default_env.outdir / f"asset.{key.removesuffix('.zip')}"
+    uploaded = sorted(path.relative_to(staged) for path in staged.rglob("*") if path.is_file())
+    assert uploaded == sorted(source_files())
+    assert all((staged / path).read_bytes() == (ROOT / path).read_bytes() for path in uploaded)
+
+
+def test_exclude_patterns_select_the_same_files_for_cdk_and_the_source_hash(tmp_path: Path) -> None:
+    """On a tree with every kind of file that must not ship, CDK's staging and `source_files` agree."""
+    tree = tmp_path / "tree"
+    shipped = ["assets/slurm/single.sbatch.j2", "pyproject.toml", "training/cli.py", "training/train/x.yaml"]
+    kept_back = [
+        ".gitignore",
+        ".venv/.installed",
+        ".venv/lib/site.py",
+        "README.md",
+        "benchmarks/bench.py",
+        "tests/training/test_x.py",
+        "training/local/slurm.py",
+        "training/local/__init__.py",
+        "training/__pycache__/cli.cpython-311.pyc",
+        "training/.mypy_cache/cache.json",
+        "training/train/stale.pyc",
+        "training.egg-info/PKG-INFO",
+    ]
+    for name in shipped + kept_back:
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(name)
+    assert source_files(tree) == [Path(name) for name in shipped]
+
+    app = App(outdir=str(tmp_path / "out"))
+    asset = s3_assets.Asset(Stack(app, "S"), "Source", path=str(tree), exclude=list(SOURCE_EXCLUDE))
+    app.synth()
+    staged = tmp_path / "out" / f"asset.{asset.asset_hash}"
+    assert sorted(path.relative_to(staged) for path in staged.rglob("*") if path.is_file()) == source_files(tree)

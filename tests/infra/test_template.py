@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
 import pytest
 from aws_cdk.assertions import Match, Template
 
+from stacks.cluster import Cluster
 from stacks.config import PARALLELCLUSTER_VERSION
+from stacks.network import Network
+from stacks.pcluster_config import build_cluster_configuration
+from stacks.pipeline import Pipeline
+from stacks.storage import Storage
 from tests.conftest import Synthesized
 
 
@@ -335,3 +341,17 @@ def test_tags_reach_stack_resources_and_cluster(default_env: Synthesized) -> Non
         "AWS::EC2::VPC", {"Tags": Match.array_with([{"Key": "project", "Value": "trainium-training"}])}
     )
     assert {"Key": "project", "Value": "trainium-training"} in cluster_configuration(default_env)["Tags"]
+
+
+# --- wiring ----------------------------------------------------------------------------------------
+
+
+def test_constructs_take_narrow_keyword_only_arguments() -> None:
+    """Only the stack reads the whole environment; each construct gets the settings and resources it uses."""
+    for construct in (Network, Storage, Cluster, Pipeline):
+        parameters = list(inspect.signature(construct.__init__).parameters.values())
+        assert [p.name for p in parameters[:3]] == ["self", "scope", "construct_id"]
+        assert {p.kind for p in parameters[3:]} == {inspect.Parameter.KEYWORD_ONLY}, construct.__name__
+        assert not [p.name for p in parameters if "EnvironmentConfig" in str(p.annotation)], construct.__name__
+    builder = inspect.signature(build_cluster_configuration).parameters.values()
+    assert [str(p.annotation) for p in builder] == ["ClusterSettings", "ClusterResources"]

@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from training.config.site import Site
 from training.local.tiny import make_tiny_sources
 from training.pipeline import runs
-from training.pipeline.runs import Site
 from training.train.loop import KILL_AT_STEP
 
 TIMEOUT = 600
@@ -165,17 +165,23 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
 
 
 def test_cancel_stops_every_job_of_the_run(
-    slurm: Any, sources: dict[str, dict[str, Path]], site: Site, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    slurm: Any,
+    sources: dict[str, dict[str, Path]],
+    site: Site,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from training.cli import main
 
-    env_file = tmp_path / "site.yaml"
-    env_file.write_text(f"runs_root: {site.runs_root}\nresults: {site.results}\n")
+    site_file = tmp_path / "site.yaml"
+    site_file.write_text(f"runs_root: {site.runs_root}\nresults: {site.results}\n")
     run_dir = run("tiny-llama-cpt", sources["llama"], site, "llama-cancelled", "steps=4", "checkpoint.every=2")
-    assert main(["cancel", "--run-id", "llama-cancelled", "--env-file", str(env_file)]) == 0
+    assert main(["cancel", "--run-id", "llama-cancelled", "--site", str(site_file)]) == 0
     jobs = json.loads((run_dir / "run.json").read_text())["submissions"][0]["jobs"]
     assert f"cancelled jobs {', '.join(sorted(jobs.values(), key=int))}" in capsys.readouterr().out
     final = states(run_dir)
     assert final["train"] == "CANCELLED" and not set(final.values()) & runs.ACTIVE_STATES
-    assert main(["status", "--run-id", "llama-cancelled", "--env-file", str(env_file)]) == 1
+    monkeypatch.setenv("TRAINING_SITE", str(site_file))  # instead of --site
+    assert main(["status", "--run-id", "llama-cancelled"]) == 1
     assert "CANCELLED" in capsys.readouterr().out

@@ -13,8 +13,9 @@ import pytest
 from stacks.cluster import BOOTSTRAP_SCRIPT, pinned_neuron_release
 from stacks.config import load_environment
 from stacks.pipeline_site import site_settings
-from training.pipeline.runs import Site, plan_run, render
-from training.train.recipe import load_recipe
+from training.config.recipe import load_recipe
+from training.config.site import Site
+from training.pipeline.runs import plan_run, render
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -58,10 +59,12 @@ def test_cluster_scripts_carry_the_cluster_settings() -> None:
     assert "#SBATCH --nodes=4\n" in scripts["train"] and "#SBATCH --requeue\n" in scripts["train"]
     assert "--nproc_per_node 32" in scripts["train"] and '--node_rank "${SLURM_NODEID}"' in scripts["train"]
     assert "neuron_parallel_compile /fsx/envs/neuron-" in scripts["compile"]
-    assert "--compile" in scripts["compile"] and "--resume latest" in scripts["train"]
+    assert "--compile'" in scripts["compile"] and "--resume'" in scripts["train"]
     assert "scontrol show hostnames" in scripts["train"]
     assert "--tp 32 \\\n    --kv-size-multiplier 4 \\\n    --xser" in scripts["convert-in"]
-    assert "--to s3://RESULTS-BUCKET/results/RUN-ID" in scripts["export"]
+    assert "--run-dir /fsx/runs/RUN-ID --output s3://RESULTS-BUCKET/results/RUN-ID\n" in scripts["export"]
+    assert "--input /fsx/runs/RUN-ID/hf --output /fsx/runs/RUN-ID/samples.json\n" in scripts["sample"]
+    assert "--output /fsx/runs/RUN-ID/data \\\n" in scripts["prepare"]
 
 
 @pytest.mark.parametrize("recipe", [*CLUSTER_RECIPES, "tiny-llama-cpt", "tiny-mixtral-sft"])

@@ -288,7 +288,8 @@ def test_output_holding_another_checkpoint(tmp_path: Path, capsys: pytest.Captur
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"someone else's weights")
     message = cli(to_nxd(source, out, "--tp", "2"), capsys)
-    assert message == f"{out} already exists and was not written by this tool; choose another --out or pass --overwrite"
+    expected = "choose another --output or pass --overwrite"
+    assert message == f"{out} already exists and was not written by this tool; {expected}"
     assert (out / "model.safetensors").read_bytes() == b"someone else's weights"
 
 

@@ -176,7 +176,7 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 def assert_rejected(args: list[str], out: Path, message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    status, error = run_cli([*args, "--out", str(out)], capsys)
+    status, error = run_cli([*args, "--output", str(out)], capsys)
     assert status == 2
     assert error == f"error: {message}\n"
     assert not out.exists()
@@ -198,9 +198,9 @@ def test_unknown_dataset(
 ) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
     status, error = run_cli(
-        ["--source", "no-such-org/no-such-corpus", "--tokenizer", str(llama_tokenizer), "--out", str(tmp_path / "out")],
-        capsys,
+        ["--source", "no-such-org/no-such-corpus", "--tokenizer", str(llama_tokenizer), "--output", str(out)], capsys
     )
     assert status == 2
     assert error.startswith(
@@ -236,7 +236,7 @@ def test_corpus_smaller_than_one_block(
 ) -> None:
     source = write_jsonl(tmp_path / "c.jsonl", [{"text": "ab"}])
     status, error = run_cli(
-        ["--source", str(source), "--tokenizer", str(llama_tokenizer), "--out", str(tmp_path / "out")], capsys
+        ["--source", str(source), "--tokenizer", str(llama_tokenizer), "--output", str(tmp_path / "out")], capsys
     )
     assert status == 2 and "make no complete block of --seq-len 8192" in error and not (tmp_path / "out").exists()
 
@@ -282,7 +282,7 @@ def test_tokenizer_without_separator(
 ) -> None:
     tokenizer = train_tokenizer(tmp_path / "tokenizer", bos=bos, eos=eos)
     out = tmp_path / "out"
-    status, error = run_cli(["--source", str(corpus), "--tokenizer", str(tokenizer), "--out", str(out)], capsys)
+    status, error = run_cli(["--source", str(corpus), "--tokenizer", str(tokenizer), "--output", str(out)], capsys)
     assert status == 2
     assert error == (
         f"error: tokenizer {tokenizer} has no {missing} token to separate documents; "
@@ -314,7 +314,7 @@ def test_module_entry_point_prints_one_line_and_exits_non_zero(tmp_path: Path) -
             str(tmp_path / "x.jsonl"),
             "--tokenizer",
             str(tmp_path),
-            "--out",
+            "--output",
             str(tmp_path / "out"),
         ],
         cwd=ROOT,

@@ -163,8 +163,9 @@ def test_missing_messages_column_is_one_line(
     llama_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = write_jsonl(tmp_path / "c.jsonl", [{"conversation": []}])
+    tokenizer = str(llama_tokenizer)
     status = main(
-        ["prepare", "sft", "--source", str(source), "--tokenizer", str(llama_tokenizer), "--out", str(tmp_path / "out")]
+        ["prepare", "sft", "--source", str(source), "--tokenizer", tokenizer, "--output", str(tmp_path / "out")]
     )
     assert status == 2
     assert capsys.readouterr().err == (

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from training.config.recipe import RECIPES_DIR, ScheduleSection, load_recipe, recipe_as_dict
 from training.errors import UserError
 from training.train.loader import BatchPlan
 from training.train.optimizer import learning_rate
-from training.train.recipe import RECIPES_DIR, ScheduleSection, load_recipe, recipe_as_dict
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
@@ -40,28 +40,70 @@ def test_overrides_are_parsed_as_yaml() -> None:
     assert (recipe.batch.micro, recipe.optimizer.lr, recipe.model.pretrained, recipe.seed) == (4, 1e-5, None, 7)
 
 
-def test_every_problem_is_reported_in_one_line(tmp_path: Path) -> None:
+def test_every_problem_is_reported_at_once_one_line_each(tmp_path: Path) -> None:
     with pytest.raises(UserError) as caught:
         load_recipe("tiny-llama-cpt", ["optimizer.momentum=0.9", "backend=gpu", "steps=ten"])
-    message = str(caught.value)
-    assert "\n" not in message
-    assert "optimizer.momentum: unknown key (allowed: lr, betas, eps, weight_decay, grad_clip, zero1)" in message
-    assert "backend: 'gpu' is not allowed (allowed: cpu, neuron)" in message
-    assert "steps: expected int, got 'ten'" in message
+    label = str(RECIPES_DIR / "tiny-llama-cpt.yaml")
+    assert str(caught.value).splitlines() == [
+        f"{label}: optimizer.momentum: unknown key; allowed keys here: lr, betas, eps, weight_decay, grad_clip, zero1",
+        f"{label}: steps: 'ten' is not allowed; allowed: an integer",
+        f"{label}: backend: 'gpu' is not allowed; allowed: cpu, neuron",
+    ]
     missing = tmp_path / "r.yaml"
     missing.write_text("name: x\n")
-    with pytest.raises(UserError, match="model: missing; data: missing"):
+    with pytest.raises(UserError) as caught:
         load_recipe(str(missing))
-    with pytest.raises(UserError, match="no such file or bundled recipe"):
+    assert [line.split(": ", 1)[1] for line in str(caught.value).splitlines()] == [
+        f"{key}: required key is missing" for key in ("model", "data", "batch", "optimizer", "checkpoint", "steps")
+    ]
+    with pytest.raises(
+        UserError, match=r"--recipe: 'no-such-recipe' is not allowed; allowed: a recipe file or a bundled"
+    ):
         load_recipe("no-such-recipe")
-    with pytest.raises(UserError, match=r"expected section\.key=value"):
+    with pytest.raises(UserError, match=r"override: 'steps' is not allowed; allowed: section\.key=value"):
         load_recipe("tiny-llama-cpt", ["steps"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        (["steps=0"], "steps: 0 is not allowed; allowed: an integer above 0"),
+        (["optimizer.lr=-1.0e-4"], "optimizer.lr: -0.0001 is not allowed; allowed: a number above 0"),
+        (["optimizer.betas=[0.9]"], "optimizer.betas: [0.9] is not allowed; allowed: a list of 2 numbers"),
+        (["sample.prompts=[1]"], "sample.prompts[0]: 1 is not allowed; allowed: a string"),
+        (["parallelism.tp=true"], "parallelism.tp: True is not allowed; allowed: an integer"),
+        (["checkpoint.keep_last=0"], "checkpoint.keep_last: 0 is not allowed; allowed: an integer above 0"),
+        (["schedule.warmup_steps=30"], "schedule.warmup_steps: 30 is not allowed; allowed: 0 to steps (20)"),
+        (["schedule.min_lr=1"], "schedule.min_lr: 1.0 is not allowed; allowed: at most optimizer.lr (0.003)"),
+        (
+            ["precision=bf16"],
+            "precision: 'bf16' is not allowed; allowed: fp32 with backend cpu (bf16 needs backend neuron)",
+        ),
+        (["model=3"], "model: 3 is not allowed; allowed: a mapping of keys"),
+    ],
+)
+def test_each_recipe_rule_rejects_with_one_line(overrides: list[str], problem: str) -> None:
+    with pytest.raises(UserError) as caught:
+        load_recipe("tiny-llama-cpt", overrides)
+    assert str(caught.value) == f"{RECIPES_DIR / 'tiny-llama-cpt.yaml'}: {problem}"
+
+
+def test_duplicate_keys_are_an_error(tmp_path: Path) -> None:
+    recipe = tmp_path / "twice.yaml"
+    recipe.write_text((RECIPES_DIR / "tiny-llama-cpt.yaml").read_text() + "steps: 40\n")
+    with pytest.raises(UserError) as caught:
+        load_recipe(str(recipe))
+    first = next(i for i, line in enumerate(recipe.read_text().splitlines(), 1) if line.startswith("steps:"))
+    last = len(recipe.read_text().splitlines())
+    assert str(caught.value) == f"{recipe}: steps: appears twice (lines {first} and {last}); allowed: each key once"
 
 
 def test_micro_batch_must_divide_global_batch_over_data_parallel_ranks() -> None:
     with pytest.raises(UserError, match=r"batch.global 8 is not a multiple of batch.micro 2 x data-parallel ranks 3"):
         BatchPlan(8, 2, 3).check()
-    with pytest.raises(UserError, match=r"batch.micro: 3 does not divide batch.global 8"):
+    with pytest.raises(
+        UserError, match=r"batch.micro: 3 is not allowed; allowed: a divisor of batch.global 8 \(1, 2, 4, 8\)"
+    ):
         load_recipe("tiny-llama-cpt", ["batch.micro=3"])
 
 
@@ -74,7 +116,8 @@ def test_batch_plan_covers_each_global_batch_exactly_once_in_order() -> None:
 
 
 def test_schedule_warms_up_then_decays_to_min_lr() -> None:
-    linear, cosine = ScheduleSection(100, "linear", 0.0), ScheduleSection(10, "cosine", 1e-6)
+    linear = ScheduleSection(warmup_steps=100, decay="linear", min_lr=0.0)
+    cosine = ScheduleSection(warmup_steps=10, decay="cosine", min_lr=1e-6)
     assert learning_rate(1, 1.5e-4, linear, 1000) == pytest.approx(1.5e-6)  # the log line users know
     assert learning_rate(100, 1.5e-4, linear, 1000) == pytest.approx(1.5e-4)
     assert learning_rate(550, 1.5e-4, linear, 1000) == pytest.approx(0.75e-4)
@@ -82,4 +125,4 @@ def test_schedule_warms_up_then_decays_to_min_lr() -> None:
     middle = 1e-6 + (1e-5 - 1e-6) * 0.5 * (1 + math.cos(math.pi * 0.5))
     assert learning_rate(55, 1e-5, cosine, 100) == pytest.approx(middle)
     assert learning_rate(100, 1e-5, cosine, 100) == pytest.approx(1e-6)
-    assert learning_rate(5, 1e-5, ScheduleSection(0, "constant"), 100) == 1e-5
+    assert learning_rate(5, 1e-5, ScheduleSection(warmup_steps=0, decay="constant"), 100) == 1e-5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from training.formats.convert import ConvertOptions, convert
 from training.local.tiny import build_tiny_world
 from training.train.loader import TrainingData
 from training.train.loop import KILL_AT_STEP
+
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (DEBUG|INFO|WARNING|ERROR) ")  # training.logs
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def torchrun(
     recipe: str, overrides: list[str], *, processes: int, env: dict[str, str] | None = None, resume: bool = False
 ) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    command += ["-m", "training", "train", "--recipe", recipe, *overrides] + (["--resume", "latest"] if resume else [])
+    command += ["-m", "training", "train", "--recipe", recipe, *overrides] + (["--resume"] if resume else [])
     return subprocess.run(
         command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300, check=False
     )
@@ -70,7 +73,13 @@ def test_tiny_recipe_learns_at_tp2(
     losses = [r["loss"] for r in records]
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
     assert all(r["grad_norm"] > 0 and r["seq_per_second"] > 0 and 0 < r["mfu"] < 1 for r in records)
-    assert "step_loss : " in result.stdout and "learning_rate : " in result.stdout and " seq/s" in result.stdout
+    # Logs go to stderr, every line with its rank; the summary (rank 0's last line) alone goes to stdout.
+    logged = [line for line in result.stderr.splitlines() if LOG_LINE.match(line)]
+    assert logged and all(re.search(r" \[rank [01]/2\] ", line) for line in logged), result.stderr[-3000:]
+    steps = [line for line in logged if "step_loss : " in line]
+    assert len(steps) == 20 and all(" INFO [rank 0/2] (step " in line for line in steps), steps
+    assert "learning_rate : " in steps[-1] and steps[-1].endswith(" seq/s")
+    assert json.loads(result.stdout.splitlines()[-1])["steps"] == 20
     # The final checkpoint is a complete nxd checkpoint the converter turns back into a transformers model.
     assert (tmp_path / "ckpt" / "step_20" / "done").is_file()
     convert(ConvertOptions(source_format="nxd", target_format="hf", input=tmp_path / "ckpt", output=tmp_path / "hf"))
@@ -142,7 +151,7 @@ def test_killed_run_resumes_to_identical_weights_and_optimizer_state(
 
     again = torchrun("tiny-llama-cpt", world_overrides(llama_world, resumed, *common), processes=processes, resume=True)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from step 5" in again.stdout
+    assert "resumed from step 5" in again.stderr
     expected, actual = tensors_of(straight / "step_10"), tensors_of(resumed / "step_10")
     assert expected.keys() == actual.keys() and len(expected) > 10
     for key, value in expected.items():
@@ -170,9 +179,9 @@ def test_compile_mode_runs_two_steps_and_saves_nothing(llama_world: dict[str, Pa
     [
         ("parallelism.tp=3", "parallelism.tp 3: "),
         ("data.path=/nonexistent/data", "data.path /nonexistent/data: no such directory"),
-        ("batch.micro=3", "batch.micro: 3 does not divide batch.global 8 (allowed: a divisor, e.g. 1, 2, 4, 8)"),
+        ("batch.micro=3", "batch.micro: 3 is not allowed; allowed: a divisor of batch.global 8 (1, 2, 4, 8)"),
         ("batch.seq_len=128", "batch.seq_len 128 differs from the data's seq_len 64"),
-        ("optimizer.betas=0.9", "optimizer.betas: expected a list of 2 numbers"),
+        ("optimizer.betas=0.9", "optimizer.betas: 0.9 is not allowed; allowed: a list of 2 numbers"),
         ("batch.global=6", "parallelism.tp 2 does not divide the 1 launched processes"),
     ],
 )

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from training.data.block_writer import BlockWriter
 from training.data.chat import BadExample, ChatRenderer, validate_messages
@@ -25,6 +24,7 @@ from training.data.packing import IGNORE_INDEX, BlockPacker, Example, PackStats,
 from training.data.sources import ReadStats, Source, iter_records, resolve_source
 from training.data.tokenization import LoadedTokenizer, load_tokenizer
 from training.errors import UserError
+from training.logs import Progress
 from training.outputs import atomic_directory, reusable, scratch_directory, write_manifest
 
 WRITE_BATCH_BLOCKS = 256  # SFT blocks buffered per Arrow write
@@ -97,14 +97,14 @@ def prepare_pretrain(options: PretrainOptions) -> dict[str, Any]:
         texts = itertools.islice(
             _only_strings(texts, options.text_column, options.skip_bad_records, stats), options.max_documents
         )
-        with tqdm(desc="tokenizing", unit=" docs", disable=None) as progress:
+        with Progress("tokenizing", "docs") as progress:
             for batch in _batches(texts, options.batch_size):
                 encodings = tokenizer.backend.encode_batch_fast(batch, add_special_tokens=False)
                 flat = concatenate_documents([e.ids for e in encodings], bos_id=bos_id, eos_id=eos_id)
                 writer.write(input_ids=packer.add(flat))
                 documents += len(batch)
                 tokens += flat.size
-                progress.update(len(batch))
+                progress.update(len(batch), tokens=flat.size)
         if documents == 0:
             raise UserError(f"--source {options.source}: the corpus is empty (no documents in '{options.text_column}')")
         dropped = packer.remainder
@@ -230,13 +230,14 @@ def _write_sft_split(
 
     trained_tokens = 0
     blocks = pack_examples(examples(), seq_len=options.seq_len, pad_id=pad_id, stats=pack_stats)
-    with tqdm(desc=f"packing {split}", unit=" blocks", disable=None) as progress:
+    with Progress(f"packing {split}", "blocks") as progress:
         for group in _batches(blocks, WRITE_BATCH_BLOCKS):
             ids = np.stack([ids for ids, _ in group])
             labels = np.stack([labels for _, labels in group])
             writer.write(input_ids=ids, labels=labels)
-            trained_tokens += int(np.count_nonzero(labels != IGNORE_INDEX))
-            progress.update(len(group))
+            trained = int(np.count_nonzero(labels != IGNORE_INDEX))
+            trained_tokens += trained
+            progress.update(len(group), trained_tokens=trained)
     return {
         "source": source.spec,
         "split": split if not source.is_local else None,

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from tqdm import tqdm
 
 from training.errors import UserError
 from training.formats.hf import HfSource, HfTarget, Source, copy_companions
 from training.formats.layouts import Parallelism, Rule, all_rules, check_parallelism, default_kv_multiplier
 from training.formats.readers import nbytes, release_mappings
 from training.formats.sharded import ShardedSource, ShardedTarget
+from training.logs import Progress
 from training.outputs import atomic_directory, reusable, write_manifest
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter, from glibc's malloc.h
@@ -90,9 +90,7 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
             target = ShardedTarget(
                 options.target_format, output, source.spec, parallelism, xser=options.xser, workers=options.workers
             )
-        progress = tqdm(
-            total=len(groups), desc=f"{options.source_format} -> {options.target_format}", unit=" layers", disable=None
-        )
+        progress = Progress(f"{options.source_format} -> {options.target_format}", "layers", total=len(groups))
         if isinstance(target, HfTarget):
             checksums = write_hf(
                 groups, source, target, hf_names, verify=options.verify, workers=options.workers, progress=progress
@@ -184,7 +182,7 @@ def write_hf(
     *,
     verify: bool,
     workers: int,
-    progress: Any,
+    progress: Progress,
 ) -> dict[str, str]:
     """Every rule, the rules of each output file in order, files in parallel; checksums if verifying."""
     per_file: dict[int, list[Rule]] = {}

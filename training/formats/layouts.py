@@ -10,6 +10,9 @@ NxD, Mixtral: the experts are stacked and fused the way neuronx-distributed's Mo
 (`mlp.expert_mlps.mlp_op.gate_up_proj.weight` [E, H, 2I] split on its last dim with gate and up halves
 per rank, `down_proj.weight` [E, I, H] split on dim 1), and the router
 (`mlp.router.linear_router.weight` [E, H]) is replicated on every rank.
+
+One module on purpose: the NxD and NeMo rules share the head permutations and the split/merge pairs, and
+keeping every layout in one file is what makes it the single definition.
 """
 
 from __future__ import annotations

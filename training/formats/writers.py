@@ -14,6 +14,10 @@ miniz's sizes, so `torch.load(..., mmap=True)` and torch's offset arithmetic
 come first (they are streamed) and `data.pkl` and the small metadata records last; views are stored as
 compact copies (torch.save keeps the whole base storage and the view's strides); and
 `.data/serialization_id` is a deterministic hash, so the same content always gives the same bytes.
+
+Why the three writers share one module of this size: xser is `torch.save` files (one per tensor plus a
+pickle of references) and safetensors reuses the same buffered, page-dropping byte path; split apart, each
+would carry a copy of the record writer and the non-contiguous copy logic.
 """
 
 from __future__ import annotations

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 from pathlib import Path
 
+from training.config.site import Site
 from training.errors import UserError
 from training.local.tiny import make_tiny_sources
+from training.logs import setup_logging
 from training.pipeline import runs
 
+log = logging.getLogger(__name__)
 RECIPES = {"tiny-llama-cpt": ("llama", "work/tiny-llama"), "tiny-mixtral-sft": ("mixtral", "work/tiny-mixtral")}
 
 
@@ -57,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     from training.local.slurm import start
 
     try:
-        site = runs.Site(runs_root="work/runs", results="work/results")
+        setup_logging()
+        site = Site(runs_root="work/runs", results="work/results")
         for architecture, root in RECIPES.values():
-            print(f"making {root}: tokenizer, random {architecture} model, data source")
+            log.info(f"making {root}: tokenizer, random {architecture} model, data source")
             make_tiny_sources(Path(root), architecture)
         slurm = start(Path(".local-slurm"), nodes=arguments.nodes)
         os.environ.update(slurm.env)

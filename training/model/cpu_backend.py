@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from torch.distributed import ProcessGroup
 from torch.distributed.rendezvous import rendezvous
 
 from training.errors import UserError
+
+if TYPE_CHECKING:
+    from training.model.parallel import Declaration
 
 
 @dataclass
@@ -95,18 +99,15 @@ def destroy() -> None:
     _state = None
 
 
+def resolve(declaration: Declaration) -> Callable[..., Any]:
+    """The namesake of a declared facade name in this module (a class or a function with its exact signature)."""
+    implementation: Callable[..., Any] = globals()[declaration.name]
+    return implementation
+
+
 def _get() -> _State:
-    if _state is None:
-        raise RuntimeError("the CPU parallel backend is not initialized")
+    assert _state is not None, "the CPU parallel backend is not initialized"  # the facade says so to its callers
     return _state
-
-
-def world_rank() -> int:
-    return dist.get_rank()
-
-
-def world_size() -> int:
-    return dist.get_world_size()
 
 
 def tp_rank() -> int:
@@ -161,31 +162,14 @@ def kv_shared_group(multiplier: int) -> ProcessGroup:
 # --- autograd collectives ----------------------------------------------------------------------------------
 
 
-def _all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+def _identity(tensor: torch.Tensor, argument: Any) -> torch.Tensor:
+    return tensor.view_as(tensor)
+
+
+def _all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     result = tensor.clone()
-    dist.all_reduce(result, op=op, group=group)
+    dist.all_reduce(result, group=group)
     return result
-
-
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group  # type: ignore[attr-defined]
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return _all_reduce(tensor, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
 
 
 def _gather_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -198,75 +182,54 @@ def _own_slice(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return tensor.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group  # type: ignore[attr-defined]
-        return _gather_last_dim(tensor, group)
+def _scaled(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    return tensor * scale
+
+
+Step = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+class _Mapping(torch.autograd.Function):
+    """One collective with its autograd: `forward(tensor, argument)` forward, `backward(grad, argument)` backward.
+
+    The argument is the process group (or, for `_scaled`, the factor). Megatron's four mappings are pairs of
+    the steps above, e.g. copy-to-region = (identity, all-reduce) and gather = (gather, own slice).
+    """
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _own_slice(grad, ctx.group), None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group  # type: ignore[attr-defined]
-        return _own_slice(tensor, group)
+    def forward(ctx: FunctionCtx, tensor: torch.Tensor, argument: Any, forward: Step, backward: Step) -> torch.Tensor:
+        ctx.argument, ctx.backward_step = argument, backward  # type: ignore[attr-defined]
+        return forward(tensor, argument)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_last_dim(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.backward_step(grad, ctx.argument), None, None, None
 
 
-class _SumGradients(torch.autograd.Function):
-    """Identity forward; the gradient summed over `group` (the ranks sharing a replicated K/V head)."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group  # type: ignore[attr-defined]
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ScaleGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: FunctionCtx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale  # type: ignore[attr-defined]
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
-
-
-def _apply(function: type[torch.autograd.Function], tensor: torch.Tensor, argument: Any) -> torch.Tensor:
-    result: torch.Tensor = function.apply(tensor, argument)  # type: ignore[no-untyped-call]
+def _map(tensor: torch.Tensor, argument: Any, forward: Step, backward: Step) -> torch.Tensor:
+    result: torch.Tensor = _Mapping.apply(tensor, argument, forward, backward)  # type: ignore[no-untyped-call]
     return result
 
 
-def copy_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+def _over_tp(tensor: torch.Tensor, forward: Step, backward: Step) -> torch.Tensor:
     state = _get()
-    return tensor if state.tp == 1 else _apply(_CopyToRegion, tensor, state.tp_group)
+    return tensor if state.tp == 1 else _map(tensor, state.tp_group, forward, backward)
 
 
-def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    state = _get()
-    return tensor if state.tp == 1 else _apply(_ReduceFromRegion, tensor, state.tp_group)
+def copy_to_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.Tensor:
+    return _over_tp(tensor, _identity, _all_reduce)
 
 
-def gather_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    state = _get()
-    return tensor if state.tp == 1 else _apply(_GatherFromRegion, tensor, state.tp_group)
+def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.Tensor:
+    return _over_tp(tensor, _all_reduce, _identity)
 
 
-def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    state = _get()
-    return tensor if state.tp == 1 else _apply(_ScatterToRegion, tensor, state.tp_group)
+def gather_from_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.Tensor:
+    return _over_tp(tensor, _gather_last_dim, _own_slice)
+
+
+def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.Tensor:
+    return _over_tp(tensor, _own_slice, _gather_last_dim)
 
 
 # --- layers --------------------------------------------------------------------------------------------
@@ -404,10 +367,11 @@ class GQAQKVColumnParallelLinear(nn.Module):
         q = F.linear(tensor, weight_q, bias_q)
         kv_input = tensor
         if self.kv_group is not None:
-            kv_input = _apply(_ScaleGradient, tensor, 1 / self.kv_size_multiplier)
+            kv_input = _map(tensor, 1 / self.kv_size_multiplier, _identity, _scaled)
         k, v = F.linear(kv_input, weight_k, bias_k), F.linear(kv_input, weight_v, bias_v)
         if self.kv_group is not None:
-            k, v = _apply(_SumGradients, k, self.kv_group), _apply(_SumGradients, v, self.kv_group)
+            # the output gradients summed over the ranks holding the same head
+            k, v = (_map(t, self.kv_group, _identity, _all_reduce) for t in (k, v))
         if self.gather_output:
             q, k, v = (gather_from_tensor_model_parallel_region(t) for t in (q, k, v))
         return q, k, v
@@ -446,7 +410,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return result * grad.unsqueeze(-1), None, None
 
 
-def parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, /) -> torch.Tensor:
     apply = _VocabParallelCrossEntropy.apply
     result: torch.Tensor = apply(vocab_parallel_logits, target, _get().tp_group)  # type: ignore[no-untyped-call]
     return result

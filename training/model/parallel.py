@@ -1,3 +1,5 @@
+# mypy: disable-error-code="empty-body"
+# (the declared functions below have no body of their own: `@neuron(...)` gives each one its body.)
 """The parallel facade: the model is written once against these names, a backend chosen at start-up runs them.
 
 Two interchangeable backends with the same tensor-parallel semantics:
@@ -5,6 +7,12 @@ Two interchangeable backends with the same tensor-parallel semantics:
 - `cpu` (`training.model.cpu_backend`): torch.distributed on gloo, autograd functions for the collectives. It is
   what the tests run; forward and backward equal single-process math.
 - `neuron` (`training.model.neuron_backend`): each name maps one-to-one onto neuronx-distributed and torch-xla.
+
+Each name is declared once, below, as a typed function with a docstring and a `@neuron(module, attribute)`
+line naming what it is on Trainium (a neuronx-distributed class or function, release 2.28). The declaration is
+the contract: the `neuron` backend imports `module.attribute` and calls it with the caller's arguments; the
+`cpu` backend defines the same name with exactly the declared signature; tests/training/test_parallel_facade.py
+checks both, and checks the declarations against neuronx-distributed's own source.
 
 Rank arrangement (both backends, as neuronx-distributed's `initialize_model_parallel`): the world is
 [DP, TP] row-major, so a TP group is `tp` consecutive global ranks and a DP group is the ranks with the same
@@ -19,9 +27,14 @@ averages over the DP group.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from training.errors import UserError
@@ -33,66 +46,80 @@ Backend = Literal["cpu", "neuron"]
 BACKENDS: tuple[Backend, ...] = ("cpu", "neuron")
 IGNORE_INDEX = -100  # label of a position that has no target (prompt tokens, block padding)
 
+# Where the neuron backend finds each name (aws-neuron/neuronx-distributed src/neuronx_distributed/..., torch-xla).
+LAYERS = "neuronx_distributed.parallel_layers.layers"
+QKV_LINEAR = "neuronx_distributed.modules.qkv_linear"
+MAPPINGS = "neuronx_distributed.parallel_layers.mappings"
+LOSS_FUNCTIONS = "neuronx_distributed.parallel_layers.loss_functions"
+PARALLEL_STATE = "neuronx_distributed.parallel_layers.parallel_state"
+XLA_MODEL = "torch_xla.core.xla_model"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """One name of the facade: the declared signature, and the neuronx-distributed / torch-xla name it stands for.
+
+    Calling convention (both backends): positional-only parameters (`/`) are passed by position, so their names
+    are ours; every other parameter is passed by name, so its name is the neuronx-distributed one.
+    """
+
+    name: str  # the facade's name, and the cpu backend's
+    module: str  # the neuron backend's: `getattr(importlib.import_module(module), attribute)`
+    attribute: str
+    signature: inspect.Signature
+    modifies_input: bool  # the neuron implementation changes its first argument in place
+
+    def call(self, implementation: Callable[..., Any], arguments: inspect.BoundArguments) -> Any:
+        arguments.apply_defaults()
+        positional, keywords = [], {}
+        for name, value in arguments.arguments.items():
+            if self.signature.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.append(value)
+            else:
+                keywords[name] = value
+        return implementation(*positional, **keywords)
+
+
+DECLARATIONS: dict[str, Declaration] = {}
+
+
+def neuron(
+    module: str, attribute: str | None = None, *, modifies_input: bool = False
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Declare the function below as a facade name that is `module.attribute` (default: its own name) on Neuron.
+
+    The declared function's signature and docstring are the contract; its body is this wrapper, which binds
+    the arguments to the signature (defaults filled in) and calls the active backend's implementation.
+    """
+
+    def declare(function: Callable[P, R]) -> Callable[P, R]:
+        declaration = Declaration(
+            function.__name__, module, attribute or function.__name__, inspect.signature(function), modifies_input
+        )
+        DECLARATIONS[declaration.name] = declaration
+
+        @functools.wraps(function)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            implementation = _backend().resolve(declaration)
+            result: R = declaration.call(implementation, declaration.signature.bind(*args, **kwargs))
+            return result
+
+        return run
+
+    return declare
+
 
 class ParallelBackend(Protocol):
     """What a backend module provides; `training.model.cpu_backend` and `training.model.neuron_backend` conform."""
 
     def initialize(self, tp: int) -> None: ...
     def destroy(self) -> None: ...
-    def world_rank(self) -> int: ...
-    def world_size(self) -> int: ...
-    def tp_rank(self) -> int: ...
-    def tp_size(self) -> int: ...
-    def tp_group(self) -> ProcessGroup: ...
-    def dp_rank(self) -> int: ...
-    def dp_size(self) -> int: ...
-    def dp_group(self) -> ProcessGroup: ...
-    def device(self) -> torch.device: ...
-    def mark_step(self) -> None: ...
-
-    def ColumnParallelLinear(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = True,
-        gather_output: bool = True,
-        dtype: torch.dtype = torch.float32,
-        stride: int = 1,
-    ) -> nn.Module: ...
-
-    def RowParallelLinear(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = True,
-        input_is_parallel: bool = False,
-        dtype: torch.dtype = torch.float32,
-    ) -> nn.Module: ...
-
-    def ParallelEmbedding(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> nn.Module: ...
-
-    def GQAQKVColumnParallelLinear(
-        self,
-        input_size: int,
-        output_sizes: list[int],
-        bias: bool = True,
-        gather_output: bool = True,
-        dtype: torch.dtype = torch.float32,
-        kv_size_multiplier: int = 1,
-        fuse_qkv: bool = True,
-    ) -> nn.Module: ...
-
-    def parallel_cross_entropy(self, vocab_parallel_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
-    def copy_to_tensor_model_parallel_region(self, tensor: torch.Tensor) -> torch.Tensor: ...
-    def reduce_from_tensor_model_parallel_region(self, tensor: torch.Tensor) -> torch.Tensor: ...
-    def gather_from_tensor_model_parallel_region(self, tensor: torch.Tensor) -> torch.Tensor: ...
-    def scatter_to_tensor_model_parallel_region(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def resolve(self, declaration: Declaration) -> Callable[..., Any]:
+        """The implementation of a declared name (a class or a function), called as `Declaration.call` says."""
+        ...
 
 
 _active: ParallelBackend | None = None
@@ -146,51 +173,63 @@ def _backend() -> ParallelBackend:
     return _active
 
 
+# --- ranks, groups, device (both backends run torch.distributed, so the world is its own) ------------------
+
+
 def world_rank() -> int:
-    return _backend().world_rank()
+    _backend()
+    return dist.get_rank()
 
 
 def world_size() -> int:
-    return _backend().world_size()
+    _backend()
+    return dist.get_world_size()
 
 
+@neuron(PARALLEL_STATE, "get_tensor_model_parallel_rank")
 def tp_rank() -> int:
-    return _backend().tp_rank()
+    """This process's rank in its TP group (global rank modulo `tp`)."""
 
 
+@neuron(PARALLEL_STATE, "get_tensor_model_parallel_size")
 def tp_size() -> int:
-    return _backend().tp_size()
+    """The tensor-parallel degree."""
 
 
+@neuron(PARALLEL_STATE, "get_tensor_model_parallel_group")
 def tp_group() -> ProcessGroup:
-    return _backend().tp_group()
+    """The `tp` consecutive global ranks this process shares its layers' shards with."""
 
 
+@neuron(PARALLEL_STATE, "get_data_parallel_rank")
 def dp_rank() -> int:
-    return _backend().dp_rank()
+    """This process's rank in its DP group (global rank divided by `tp`)."""
 
 
+@neuron(PARALLEL_STATE, "get_data_parallel_size")
 def dp_size() -> int:
-    return _backend().dp_size()
+    """The data-parallel degree (world size divided by `tp`)."""
 
 
+@neuron(PARALLEL_STATE, "get_data_parallel_group")
 def dp_group() -> ProcessGroup:
-    return _backend().dp_group()
+    """The ranks with this process's TP rank, `tp` apart: the replicas of its shards."""
 
 
+@neuron(XLA_MODEL, "xla_device")
 def device() -> torch.device:
     """Where parameters and batches live: the CPU, or this process's NeuronCore (an XLA device)."""
-    return _backend().device()
 
 
+@neuron(XLA_MODEL)
 def mark_step() -> None:
     """End of a lazily traced step (cuts and runs the XLA graph on Neuron; nothing on CPU)."""
-    _backend().mark_step()
 
 
 # --- layers: neuronx-distributed's constructor arguments and semantics ------------------------------------
 
 
+@neuron(LAYERS)
 def ColumnParallelLinear(
     input_size: int,
     output_size: int,
@@ -205,11 +244,9 @@ def ColumnParallelLinear(
     own random initialisation (interleaved parts such as gate/up); the CPU backend accepts and ignores it.
     The bias is [O] when the output is gathered, else [O/tp].
     """
-    return _backend().ColumnParallelLinear(
-        input_size, output_size, bias=bias, gather_output=gather_output, dtype=dtype, stride=stride
-    )
 
 
+@neuron(LAYERS)
 def RowParallelLinear(
     input_size: int,
     output_size: int,
@@ -217,19 +254,23 @@ def RowParallelLinear(
     input_is_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """y = sum over ranks of x_r A_r^T, A split by columns; the output is all-reduced, the bias [O] added once."""
-    return _backend().RowParallelLinear(
-        input_size, output_size, bias=bias, input_is_parallel=input_is_parallel, dtype=dtype
-    )
+    """y = sum over ranks of x_r A_r^T, A split by columns; the output is all-reduced, the bias [O] added once.
+
+    `input_is_parallel=False` takes the full x and scatters it (each rank its slice of the input features).
+    """
 
 
+@neuron(LAYERS)
 def ParallelEmbedding(
     num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, dtype: torch.dtype = torch.float32
 ) -> nn.Module:
-    """Vocabulary-parallel lookup: rank r holds rows [r*V/tp, (r+1)*V/tp); the rows are summed over ranks."""
-    return _backend().ParallelEmbedding(num_embeddings, embedding_dim, padding_idx=padding_idx, dtype=dtype)
+    """Vocabulary-parallel lookup: rank r holds rows [r*V/tp, (r+1)*V/tp); the rows are summed over ranks.
+
+    The `padding_idx` row gets no gradient (as in torch.nn.Embedding), on the rank that holds it.
+    """
 
 
+@neuron(QKV_LINEAR)
 def GQAQKVColumnParallelLinear(
     input_size: int,
     output_sizes: list[int],
@@ -246,15 +287,19 @@ def GQAQKVColumnParallelLinear(
     own KV heads. Parameters: `weight_q`, `weight_k`, `weight_v`, or `weight_qkv` = cat(q, k, v) per rank
     when `fuse_qkv`.
     """
-    return _backend().GQAQKVColumnParallelLinear(
-        input_size,
-        output_sizes,
-        bias=bias,
-        gather_output=gather_output,
-        dtype=dtype,
-        kv_size_multiplier=kv_size_multiplier,
-        fuse_qkv=fuse_qkv,
-    )
+
+
+# --- loss -------------------------------------------------------------------------------------------------
+
+
+@neuron(LOSS_FUNCTIONS, "parallel_cross_entropy", modifies_input=True)
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, /) -> torch.Tensor:
+    """-log softmax(logits)[target] per token, from this rank's vocabulary slice of the logits ([..., V/tp]).
+
+    A target in no rank's slice (IGNORE_INDEX) gives the log-sum-exp; `parallel_cross_entropy` zeroes it.
+    neuronx-distributed's version subtracts the maximum from its input in place; the neuron backend passes it a
+    copy, so on both backends the caller's logits stay untouched.
+    """
 
 
 def parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -263,28 +308,28 @@ def parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, labels: torch.Te
     Positions labelled IGNORE_INDEX (-100) get a loss of 0 here (and no gradient), on both backends;
     averaging over the remaining tokens is the caller's choice. The logits are not modified.
     """
-    losses = _backend().parallel_cross_entropy(vocab_parallel_logits, labels)
+    losses = vocab_parallel_cross_entropy(vocab_parallel_logits, labels)
     return losses * (labels != IGNORE_INDEX).to(losses.dtype)
 
 
 # --- collectives with their autograd (Megatron's mappings) -----------------------------------------------
 
 
-def copy_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+@neuron(MAPPINGS)
+def copy_to_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.Tensor:
     """Identity forward; gradients summed over the TP group (entering a region where ranks use partial weights)."""
-    return _backend().copy_to_tensor_model_parallel_region(tensor)
 
 
-def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+@neuron(MAPPINGS)
+def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.Tensor:
     """Partial results summed over the TP group; gradient passed through unchanged."""
-    return _backend().reduce_from_tensor_model_parallel_region(tensor)
 
 
-def gather_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+@neuron(MAPPINGS)
+def gather_from_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.Tensor:
     """Slices concatenated along the last dimension in TP-rank order; the gradient is sliced back."""
-    return _backend().gather_from_tensor_model_parallel_region(tensor)
 
 
-def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
+@neuron(MAPPINGS)
+def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.Tensor:
     """This rank's slice of the last dimension; gradients gathered back."""
-    return _backend().scatter_to_tensor_model_parallel_region(tensor)

@@ -55,7 +55,7 @@ def _to_s3(run_dir: Path, files: list[Path], destination: str) -> None:
 
     bucket, _, prefix = destination[len("s3://") :].partition("/")
     if not bucket:
-        raise UserError(f"--to {destination}: expected s3://bucket/prefix")
+        raise UserError(f"--output {destination}: expected s3://bucket/prefix")
     client = boto3.client("s3")
     for relative in files:
         key = f"{prefix.rstrip('/')}/{relative.as_posix()}" if prefix else relative.as_posix()

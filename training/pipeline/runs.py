@@ -14,38 +14,20 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from training.config.recipe import Recipe, load_recipe, recipe_as_dict
+from training.config.site import Site
 from training.errors import UserError
-from training.train.recipe import Recipe, build_dataclass, load_recipe, recipe_as_dict
 
 TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().parents[2] / "assets" / "slurm"))
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
-@dataclass(frozen=True)
-class Site:
-    """Where and how the jobs run: the local demo's defaults, or an env file written for the cluster."""
-
-    name: str = "local"
-    runs_root: str = "work/runs"
-    results: str = "work/results"  # a directory, or s3://bucket/prefix: the export stage copies the run there
-    python: str | None = None  # interpreter on the nodes (default: the one running `submit`)
-    setup: tuple[str, ...] = ()  # shell lines run first in every job (e.g. `source /fsx/envs/x/bin/activate`)
-    partition: str | None = None
-    processes_per_node: int | None = None  # default: the recipe's tp (one node holds one TP group)
-    exclusive: bool = False
-    neuron: bool = False  # Neuron environment variables and neuron_parallel_compile for the compile stage
-    efa: bool = False
-    compile_cache: str = "/fsx/neuron-cache"
-    max_restarts: int = 3  # requeues of a failed training job before it fails for good
-    time_minutes: int = 0  # per-job time limit; 0: none
 
 
 @dataclass(frozen=True)
@@ -74,20 +56,6 @@ class RunPlan:
     settings: dict[str, Any]  # the run's recipe, paths resolved: what every job reads
     site: Site
     stages: list[Stage] = field(default_factory=list)
-
-
-def load_site(path: Path | None) -> Site:
-    if path is None:
-        return Site()
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise UserError(f"--env-file {path}: cannot read ({error})".replace("\n", " ")) from None
-    problems: list[str] = []
-    site = build_dataclass(Site, raw or {}, "", problems)
-    if problems:
-        raise UserError(f"--env-file {path}: " + "; ".join(problems))
-    return site  # type: ignore[no-any-return]
 
 
 def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
@@ -127,7 +95,7 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
             f"--source {prepare['source']}",
             f"--tokenizer {prepare['tokenizer']}",
             f"--seq-len {settings['batch']['seq_len']}",
-            f"--out {run}/data",
+            f"--output {run}/data",
             '--num-proc "$(nproc)"',
         ]
         if prepare.get("validation"):
@@ -154,9 +122,9 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
     if stage.name == "convert-out":
         return f"{python} -m training convert --from nxd --to hf --input {run}/checkpoints --output {run}/hf"
     if stage.name == "sample":
-        return f"{python} -m training sample --recipe {run}/recipe.yaml --model {run}/hf --out {run}/samples.json"
+        return f"{python} -m training sample --recipe {run}/recipe.yaml --input {run}/hf --output {run}/samples.json"
     if stage.name == "export":
-        return f"{python} -m training export --run-dir {run} --to {plan.site.results.rstrip('/')}/{plan.run_id}"
+        return f"{python} -m training export --run-dir {run} --output {plan.site.results.rstrip('/')}/{plan.run_id}"
     raise ValueError(f"{stage.name} is a distributed stage")
 
 
@@ -195,7 +163,7 @@ def render(plan: RunPlan) -> dict[str, str]:
             context |= {
                 "processes_per_node": site.processes_per_node or recipe.parallelism.tp,
                 "launcher": "neuron_parallel_compile " if stage.name == "compile" and site.neuron else "",
-                "train_arguments": "--compile" if stage.name == "compile" else "--resume latest",
+                "train_arguments": "--compile" if stage.name == "compile" else "--resume",
                 "max_restarts": site.max_restarts,
             }
             scripts[stage.name] = environment.get_template("distributed.sbatch.j2").render(context)
@@ -287,7 +255,7 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
         "recipe_file": str(Path(recipe_file).absolute()) if Path(recipe_file).exists() else recipe_file,
         "overrides": overrides,
         "settings": plan.settings,
-        "site": asdict(site),
+        "site": site.model_dump(mode="json"),
         "stages": [s.name for s in plan.stages],
         "submissions": [],
     }

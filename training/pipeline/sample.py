@@ -8,13 +8,16 @@ whether the assistant turn was learned.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from training.config.recipe import Recipe
 from training.errors import UserError
-from training.train.recipe import Recipe
+
+log = logging.getLogger(__name__)
 
 
 def prompt_text(recipe: Recipe, tokenizer_directory: Path, prompt: str) -> str:
@@ -31,7 +34,7 @@ def sample(recipe: Recipe, model_directory: Path, output: Path) -> list[dict[str
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (model_directory / "config.json").is_file():
-        raise UserError(f"--model {model_directory}: not a Hugging Face model directory (no config.json)")
+        raise UserError(f"--input {model_directory}: not a Hugging Face model directory (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(str(model_directory))
     model: Any = AutoModelForCausalLM.from_pretrained(str(model_directory))
     model.eval()
@@ -62,7 +65,6 @@ def sample(recipe: Recipe, model_directory: Path, output: Path) -> list[dict[str
     )
     partial.replace(output)
     for result in results:
-        print(
-            f"prompt: {result['prompt']!r}\n  greedy: {result['greedy']!r}\n  top-{settings.top_k}: {result['top_k']!r}"
-        )
+        log.info(f"prompt: {result['prompt']!r} greedy: {result['greedy']!r} top-{settings.top_k}: {result['top_k']!r}")
+    log.info(f"{len(results)} samples written to {output}")
     return results

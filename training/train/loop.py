@@ -8,6 +8,7 @@ torchrun also works. Everything is decided by the recipe: the compile run (`--co
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from training.config.recipe import Recipe, recipe_as_dict
 from training.errors import UserError
 from training.formats.hf import copy_companions, read_config
 from training.formats.layouts import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
@@ -28,8 +30,8 @@ from training.model.transformer import build_model, model_flops_per_token
 from training.train.checkpointing import latest_complete_step, load_checkpoint, load_pretrained, save_checkpoint
 from training.train.loader import BatchPlan, TrainingData
 from training.train.optimizer import TrainingOptimizer
-from training.train.recipe import Recipe, recipe_as_dict
 
+log = logging.getLogger(__name__)
 COMPILE_STEPS = 2  # step 1's optimizer graph differs from the steady state of step 2 (REFERENCE.md s7)
 # Fault injection for tests of resume and requeue: the given rank SIGKILLs itself after finishing the step,
 # once per checkpoint directory.
@@ -129,11 +131,10 @@ def _run(
     flops_per_token = model_flops_per_token(config, recipe.batch.seq_len)
     metrics = _open_metrics(options, checkpoint_dir) if rank == 0 else None
     if rank == 0:
-        print(
+        log.info(
             f"training {recipe.name}: steps {start + 1}..{last} of {recipe.steps}, tp {parallelism.tp}, "
             f"dp {plan.dp}, {plan.accumulation} micro batches of {plan.micro} per rank and step"
-            + (f", resumed from step {start}" if resume_step is not None else ""),
-            flush=True,
+            + (f", resumed from step {start}" if resume_step is not None else "")
         )
     device = parallel.device()
     losses: list[float] = []
@@ -162,10 +163,9 @@ def _run(
                 if metrics is not None:
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
-                    print(
+                    log.info(
                         f"(step {done}) step_loss : {loss:.4f} learning_rate : {learning_rate:.2e} "
-                        f"throughput : {record['seq_per_second']:.2f} seq/s",
-                        flush=True,
+                        f"throughput : {record['seq_per_second']:.2f} seq/s"
                     )
                 window_start, window_steps = time.perf_counter(), 0
             if not options.compile_only and _checkpoint_due(recipe, done):
@@ -179,6 +179,8 @@ def _run(
                     keep_last=recipe.checkpoint.keep_last,
                     xser=recipe.checkpoint.xser,
                 )
+                if rank == 0:
+                    log.info(f"checkpoint step_{done} saved in {checkpoint_dir}")
             _fault_injection(done, checkpoint_dir)
     finally:
         if metrics is not None:
@@ -243,7 +245,7 @@ def _fault_injection(step: int, checkpoint_dir: Path) -> None:
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
-    print(f"fault injection: rank {parallel.world_rank()} kills itself after step {step}", flush=True)
+    log.warning(f"fault injection: rank {parallel.world_rank()} kills itself after step {step}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from training.config.recipe import OptimizerSection, ScheduleSection
 from training.formats.layouts import replicated_targets
 from training.model import parallel
 from training.model.transformer import CausalLM
-from training.train.recipe import OptimizerSection, ScheduleSection
 
 
 def learning_rate(step: int, peak: float, schedule: ScheduleSection, total_steps: int) -> float:

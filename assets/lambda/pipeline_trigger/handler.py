@@ -114,7 +114,7 @@ def parse_properties(raw: Mapping[str, Any]) -> Props:
     except json.JSONDecodeError as error:
         raise ValueError(f"property SiteSettings is not JSON ({error})") from None
     if not isinstance(site, dict):
-        raise ValueError("property SiteSettings must be a JSON object (the --env-file settings)")
+        raise ValueError("property SiteSettings must be a JSON object (the --site settings)")
     for key in ("runs_root", "python"):
         if not isinstance(site.get(key), str) or not SAFE_PATH.match(site[key]):
             raise ValueError(f"property SiteSettings.{key} must be an absolute path, got {site.get(key)!r}")
@@ -197,7 +197,7 @@ def paths_of(props: Props) -> Paths:
 
 
 def site_file_text(site: Mapping[str, Any], source_dir: str) -> str:
-    """The `--env-file` content: the site settings as JSON (valid YAML), one line.
+    """The `--site` file content: the site settings as JSON (valid YAML), one line.
 
     The job scripts get `export PYTHONPATH=<source>` as their first setup line, so every stage runs the
     code this run was submitted with, whatever environment sbatch propagates.
@@ -244,7 +244,7 @@ def submit_script(props: Props, run_id: str) -> str:
         '"$python" -m training submit',
         f"--recipe {q(props.recipe)}",
         f"--run-id {q(run_id)}",
-        '--env-file "$site_file"',
+        '--site "$site_file"',
         *(q(override) for override in props.overrides),
     ]
     lines = [
@@ -292,7 +292,7 @@ def cancel_script(props: Props, run_id: str) -> str:
         f"run_id={q(run_id)}",
         'if [[ -d "$source_dir" && -f "$site_file" ]]; then',
         '  cd "$source_dir" || exit 0',
-        '  PYTHONPATH="$source_dir" "$python" -m training cancel --run-id "$run_id" --env-file "$site_file" || true',
+        '  PYTHONPATH="$source_dir" "$python" -m training cancel --run-id "$run_id" --site "$site_file" || true',
         "else",
         '  echo "run $run_id: $source_dir or $site_file is missing; nothing to cancel"',
         "fi",

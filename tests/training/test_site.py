@@ -1,0 +1,41 @@
+"""Site settings files: the same strict loading as environment files and recipes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from training.config.loading import ConfigError
+from training.config.site import Site, load_site
+
+
+def test_no_file_means_the_local_defaults() -> None:
+    assert load_site(None) == Site()
+
+
+def test_a_json_site_file_loads(tmp_path: Path) -> None:
+    # The deployment writes the file as one line of JSON (valid YAML).
+    path = tmp_path / "site.yaml"
+    path.write_text('{"runs_root": "/fsx/runs", "processes_per_node": 32, "setup": ["source x"], "neuron": true}')
+    site = load_site(path)
+    assert (site.runs_root, site.processes_per_node, site.setup, site.neuron) == ("/fsx/runs", 32, ("source x",), True)
+
+
+def test_every_problem_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "site.yaml"
+    path.write_text("partition: compute1\nprocesses_per_node: 0\nneuron: yes please\nqueue: x\npartition: other\n")
+    with pytest.raises(ConfigError) as raised:
+        load_site(path)
+    assert raised.value.problems == [
+        f"{path}: partition: appears twice (lines 1 and 5); allowed: each key once",
+    ]
+    path.write_text("processes_per_node: 0\nneuron: yes please\nqueue: x\n")
+    with pytest.raises(ConfigError) as raised:
+        load_site(path)
+    assert raised.value.problems == [
+        f"{path}: processes_per_node: 0 is not allowed; allowed: an integer above 0 (or omit it)",
+        f"{path}: neuron: 'yes please' is not allowed; allowed: true or false",
+        f"{path}: queue: unknown key; allowed keys here: name, runs_root, results, python, setup, partition, "
+        "processes_per_node, exclusive, neuron, efa, compile_cache, max_restarts, time_minutes",
+    ]

@@ -1,0 +1,202 @@
+"""Training recipes: one typed YAML per run, with `key=value` overrides from the command line.
+
+A recipe names everything a training job needs (model, data, parallelism, batch, optimizer, schedule,
+checkpoints, backend), so the compile run, the real run and every pipeline stage read the same file and
+cannot drift apart. Every problem is reported before anything starts, one line each.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field
+
+from training.config.loading import (
+    Bool,
+    ConfigError,
+    Float,
+    Int,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Str,
+    StrictModel,
+    build,
+    check,
+    not_allowed,
+    read_mapping,
+)
+from training.errors import UserError
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "train" / "recipes"
+SCHEMA_FILE = RECIPES_DIR / "recipe.schema.json"
+Decay = Literal["linear", "cosine", "constant"]
+Precision = Literal["bf16", "fp32"]
+BackendName = Literal["cpu", "neuron"]
+
+
+class ModelSection(StrictModel):
+    config: Str = Field(description="Hugging Face model directory (config.json, tokenizer files)")
+    pretrained: Str | None = Field(None, description="`convert --to nxd` output; omit to start from random weights")
+
+
+class DataSection(StrictModel):
+    path: Str = Field(description="output directory of `python -m training prepare`")
+    split: Str = "train"
+
+
+class ParallelismSection(StrictModel):
+    tp: PositiveInt = Field(1, description="tensor-parallel degree")
+    kv_size_multiplier: PositiveInt | None = Field(
+        None, description="KV head replication; omit for the smallest that fits (as `convert` chooses)"
+    )
+    fuse_qkv: Bool = False
+
+
+class BatchSection(StrictModel):
+    global_batch: PositiveInt = Field(alias="global", description="sequences per optimizer step")
+    micro: PositiveInt = Field(1, description="sequences per forward/backward on one data-parallel rank")
+    seq_len: PositiveInt = 2048
+
+
+class OptimizerSection(StrictModel):
+    lr: PositiveFloat = Field(description="peak learning rate")
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+    weight_decay: NonNegativeFloat = Field(0.0, description="AdamW decay, never on norms and biases")
+    grad_clip: NonNegativeFloat = Field(1.0, description="global gradient-norm clip; 0 turns clipping off")
+    zero1: Bool = Field(True, description="shard optimizer state over data-parallel ranks (ZeRO-1)")
+
+
+class ScheduleSection(StrictModel):
+    warmup_steps: NonNegativeInt = 0
+    decay: Decay = "linear"
+    min_lr: NonNegativeFloat = 0.0
+
+
+class CheckpointSection(StrictModel):
+    dir: Str
+    every: NonNegativeInt = Field(0, description="steps between checkpoints; 0 saves only at the end")
+    keep_last: PositiveInt = 2
+    xser: Bool = Field(False, description="torch_xla xser files (one file per tensor)")
+
+
+class PrepareSection(StrictModel):
+    """How the pipeline's prepare stage makes `data.path` (arguments of `python -m training prepare`)."""
+
+    kind: Literal["pretrain", "sft"]
+    source: Str = Field(description="hub dataset NAME[:CONFIG], or a local file or directory")
+    tokenizer: Str | None = Field(None, description="tokenizer directory; default: model.config")
+    validation: Str | None = Field(None, description="sft: a split name or a local file")
+    max_records: PositiveInt | None = Field(None, description="stop after this many documents or examples")
+
+
+class SampleSection(StrictModel):
+    """The sample stage's check of the trained model: greedy and top-k continuations of a few prompts."""
+
+    prompts: tuple[Str, ...] = ("The capital of France is", "Explain what a GPU is in one sentence.")
+    max_new_tokens: PositiveInt = 48
+    top_k: PositiveInt = 50
+    seed: Int = 0
+
+
+class Recipe(StrictModel):
+    name: Str
+    model: ModelSection
+    data: DataSection
+    batch: BatchSection
+    optimizer: OptimizerSection
+    checkpoint: CheckpointSection
+    steps: PositiveInt
+    parallelism: ParallelismSection = ParallelismSection()
+    schedule: ScheduleSection = ScheduleSection()
+    backend: BackendName = "neuron"
+    precision: Precision = "bf16"
+    seed: Int = 42
+    log_every: PositiveInt = 1
+    peak_tflops_per_worker: PositiveFloat = Field(
+        95.0, description="hardware peak per worker process for the MFU estimate (NeuronCore-v2: 95 bf16)"
+    )
+    nodes: PositiveInt = Field(1, description="nodes of the training (and compile) job")
+    prepare: PrepareSection | None = Field(None, description="how the pipeline makes the data; omit if it exists")
+    sample: SampleSection = SampleSection()
+
+
+def bundled_recipes() -> list[str]:
+    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe_path(name_or_path: str) -> Path:
+    """A file path, or the name of a bundled recipe (`llama31-8b-cpt` -> training/train/recipes/llama31-8b-cpt.yaml)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    bundled = RECIPES_DIR / f"{name_or_path}.yaml"
+    if bundled.is_file():
+        return bundled
+    raise ConfigError(
+        [not_allowed("--recipe", name_or_path, f"a recipe file or a bundled recipe ({', '.join(bundled_recipes())})")]
+    )
+
+
+def load_recipe(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Recipe:
+    """The recipe with `section.key=value` overrides applied (values parsed as YAML), validated."""
+    path = resolve_recipe_path(name_or_path)
+    label = str(path)
+    raw = read_mapping(path, label)
+    for override in overrides:
+        apply_override(raw, override, label)
+    recipe = build(Recipe, raw, label)
+    check(label, validate, recipe)
+    return recipe
+
+
+def apply_override(raw: dict[str, Any], override: str, label: str) -> None:
+    key, separator, value = override.partition("=")
+    if not separator or not key:
+        raise UserError(not_allowed("override", override, "section.key=value (e.g. batch.micro=2)"))
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(not_allowed("override", override, f"a key inside a section; {part} in {label} is a value"))
+        node = child
+    try:
+        node[leaf] = yaml.safe_load(value) if value else None
+    except yaml.YAMLError:
+        node[leaf] = value
+
+
+def validate(recipe: Recipe) -> list[str]:
+    """Rules across keys; the ones that need the model or data files run at start-up (`training.train.loop`)."""
+    problems = []
+    if recipe.batch.global_batch % recipe.batch.micro:
+        divisors = ", ".join(
+            str(d) for d in range(1, recipe.batch.global_batch + 1) if recipe.batch.global_batch % d == 0
+        )
+        problems.append(
+            not_allowed(
+                "batch.micro", recipe.batch.micro, f"a divisor of batch.global {recipe.batch.global_batch} ({divisors})"
+            )
+        )
+    if recipe.schedule.warmup_steps > recipe.steps:
+        problems.append(
+            not_allowed("schedule.warmup_steps", recipe.schedule.warmup_steps, f"0 to steps ({recipe.steps})")
+        )
+    if recipe.backend == "cpu" and recipe.precision != "fp32":
+        problems.append(not_allowed("precision", recipe.precision, "fp32 with backend cpu (bf16 needs backend neuron)"))
+    if recipe.schedule.min_lr > recipe.optimizer.lr:
+        problems.append(
+            not_allowed("schedule.min_lr", recipe.schedule.min_lr, f"at most optimizer.lr ({recipe.optimizer.lr})")
+        )
+    return problems
+
+
+def recipe_as_dict(recipe: Recipe) -> dict[str, Any]:
+    """The resolved recipe as its YAML spells it (for run records, logs and the file every job reads)."""
+    return recipe.model_dump(mode="json", by_alias=True)
