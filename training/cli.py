@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from training.errors import UserError
+from training.config.recipe import bundled_recipes
+from training.errors import UserError, report
 from training.logs import LEVEL_VARIABLE, setup_logging
 
 DEFAULT_PRETRAIN_SOURCE = "wikicorpus:raw_en"  # the first source document's corpus
@@ -32,7 +33,6 @@ DEFAULT_SFT_VALIDATION_SPLIT = "test"
 SCRIPT = "trainium-training"  # the console script ([project.scripts] in pyproject.toml)
 PACKAGE = "trainium-training-environments"
 SITE_VARIABLE = "TRAINING_SITE"  # default of --site
-RECIPES_DIRECTORY = Path(__file__).resolve().parent / "train" / "recipes"
 EXAMPLES = {  # one per subcommand, shown by --help; {prog} is `python -m training` or the console script
     "prepare pretrain": "{prog} prepare pretrain --tokenizer /fsx/models/Llama-3.1-8B --output /fsx/data/wikicorpus-8k",
     "prepare sft": "{prog} prepare sft --tokenizer /fsx/models/Mixtral-8x7B-v0.1 --output /fsx/data/no-robots-2k",
@@ -61,11 +61,6 @@ def package_version() -> str:
             re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE) if pyproject.is_file() else None
         )
         return found.group(1) if found else "unknown"
-
-
-def bundled_recipes() -> list[str]:
-    """Names `--recipe` accepts besides a file (globbed, so `--help` imports no recipe code)."""
-    return sorted(path.stem for path in RECIPES_DIRECTORY.glob("*.yaml"))
 
 
 def _epilog(prog: str) -> str:
@@ -290,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _pipeline(arguments)
         manifest = _run(arguments)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        report(error)
         return 2
     summary = {k: v for k, v in manifest.items() if k not in ("fingerprint",)}
     print(json.dumps(summary, indent=2, sort_keys=True))

@@ -194,3 +194,11 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["prepare", "pretrain", "--tokenizer", "t", "--out", "x"])  # the retired spelling
     assert exit_info.value.code == 2
     assert "--output" in capsys.readouterr().err
+
+
+def test_every_problem_of_a_recipe_is_its_own_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--recipe", "tiny-llama-cpt", "steps=0", "backend=gpu"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), lines
+    assert lines[0].endswith("tiny-llama-cpt.yaml: steps: 0 is not allowed; allowed: an integer above 0")
+    assert lines[1].endswith("tiny-llama-cpt.yaml: backend: 'gpu' is not allowed; allowed: cpu, neuron")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from training.config.site import Site
-from training.errors import UserError
+from training.errors import UserError, report
 from training.local.tiny import make_tiny_sources
 from training.logs import setup_logging
 from training.pipeline import runs
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             if not arguments.keep_slurm:
                 slurm.stop()
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        report(error)
         return 2
     print("\ndemo " + ("passed: every stage of both runs COMPLETED" if ok else "FAILED (see above)"))
     return 0 if ok else 1

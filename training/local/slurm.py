@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.errors import UserError
+from training.errors import UserError, report
 
 DEFAULT_STATE_DIR = Path(".local-slurm")
 DEFAULT_NODES = 3
@@ -482,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"export SLURM_CONF={cluster_or_none.conf}")
             print(cluster_or_none.sinfo().rstrip())
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        report(error)
         return 2
     return 0
 
