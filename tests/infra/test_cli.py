@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ENVIRONMENT_NAMES, ROOT, Synthesized
+from tests.conftest import ROOT
+from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized
 
 
 def npx_cdk_synth(env_name: str, outdir: Path) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,8 @@ import yaml
 
 from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import ConfigError, EnvironmentConfig, load_environment
-from tests.conftest import ENVIRONMENT_NAMES, ROOT
+from tests.conftest import ROOT
+from tests.infra.conftest import ENVIRONMENT_NAMES
 
 BASE: dict[str, Any] = yaml.safe_load((ENVIRONMENTS_DIR / "default.yaml").read_text())
 

@@ -27,7 +27,7 @@ from stacks.config import load_environment
 from stacks.pcluster_config import ClusterResources, build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
 from stacks.training_environment import cluster_settings
-from tests.conftest import ENVIRONMENT_NAMES, Synthesized
+from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized
 from tests.support.pcluster_offline import errors_of, validate_cluster_config
 
 if sys.version_info >= (3, 11):

@@ -13,7 +13,8 @@ from aws_cdk import App, Stack
 from aws_cdk import aws_s3_assets as s3_assets
 
 from stacks.pipeline import SOURCE_EXCLUDE, SOURCE_PARTS, source_files, source_hash
-from tests.conftest import ROOT, Synthesized
+from tests.conftest import ROOT
+from tests.infra.conftest import Synthesized
 
 
 def pipeline_resource(env: Synthesized) -> tuple[str, dict[str, Any]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stacks.nag import ACKNOWLEDGEMENTS, Acknowledgement, pipeline_acknowledgements
-from tests.conftest import ENVIRONMENT_NAMES, Synthesized
+from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized
 
 CFN_LINT = str(Path(sys.executable).parent / "cfn-lint")
 
