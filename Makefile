@@ -12,7 +12,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 # Offline: never reach for instance metadata when looking for credentials.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: deps tools synth synth-all demo slurm-up slurm-down slurm-status test lint snapshots schemas clean
+.PHONY: deps tools synth synth-all demo slurm-up slurm-down slurm-status test test-neuron lint snapshots schemas lock clean
 
 deps: $(VENV)/.installed node_modules/.installed
 
@@ -58,9 +58,15 @@ slurm-down: deps
 slurm-status: deps
 	$(VPY) -m training.local.slurm status
 
-## Lint, type-check the pure parts, then run every test.
+## Lint, type-check the pure parts, then run every test: the main suite, then the neuron tier.
 test: deps tools lint
 	$(VPY) -m pytest
+	$(MAKE) --no-print-directory test-neuron
+
+## The neuron tier: neuronx-distributed on torch-xla's CPU device, in its own environment with the cluster's
+## locked requirement set (built once under ~/.cache/trainium-training; NXD_SOURCE: the NxD source archive).
+test-neuron: deps
+	$(VPY) -m tests.neuron.tier
 
 lint: deps
 	$(VPY) -m ruff check .
@@ -70,6 +76,10 @@ lint: deps
 ## Rewrite the template snapshots in tests/infra/snapshots/ after an intended infrastructure change.
 snapshots: deps
 	UPDATE_SNAPSHOTS=1 $(VPY) -m pytest tests/infra/test_snapshots.py tests/pipeline/test_templates.py
+
+## Re-resolve the cluster's locked requirement set (assets/node/cluster-requirements.in) for the nodes' Python.
+lock: deps
+	$(VPY) -m stacks.cluster_requirements
 
 ## Rewrite the JSON Schemas of the environment file and the recipe after a change of their models.
 schemas: deps

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,16 +13,11 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3_assets as s3_assets
 from constructs import Construct
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
+from stacks.cluster_requirements import LOCK, read_lock
 from stacks.config import PARALLELCLUSTER_VERSION
 from stacks.pcluster_config import ClusterResources, ClusterSettings, build_cluster_configuration
 
 BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "node" / "on_node_configured.sh"
-PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 # ParallelCluster's provider may attach only policies under this path (or named parallelcluster*).
 PARALLELCLUSTER_POLICY_PATH = "/parallelcluster/"
 
@@ -49,12 +43,10 @@ def bootstrap_neuron_release() -> str:
     return pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
 
 
-def training_requirements(pyproject: Path = PYPROJECT) -> tuple[str, ...]:
-    """The training package's pinned dependencies, for the shared environment on the cluster: torch comes
-    from the Neuron packages there, so it is left out (one list of pins: pyproject.toml)."""
-    project = tomllib.loads(pyproject.read_text())["project"]
-    pins = (*project["dependencies"], *project["optional-dependencies"]["training"])
-    return tuple(pin for pin in pins if not pin.lower().startswith("torch=="))
+def training_requirements(lock: Path = LOCK) -> tuple[str, ...]:
+    """The cluster's locked requirement set (`make lock`), installed into the shared Neuron environment beside
+    the Neuron packages, which are constraints there: the same file the neuron test tier installs."""
+    return read_lock(lock)
 
 
 def bootstrap_arguments(*, neuron_release: str, shared_env: str) -> tuple[str, ...]:

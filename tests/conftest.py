@@ -13,6 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # No credentials and no instance metadata look-ups, ever, in any test.
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
+# tests/neuron needs the neuron tier's environment (torch-xla, neuronx-distributed); `make test-neuron`
+# (run by `make test`) sets NEURON_TIER and runs it there.
+collect_ignore = [] if os.environ.get("NEURON_TIER") else ["neuron"]
+
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """In CI nothing may be skipped: a skip there means a missing install step, not an optional test."""

@@ -18,11 +18,11 @@ import pytest
 from stacks.application import ENVIRONMENTS_DIR
 from stacks.cluster import (
     BOOTSTRAP_SCRIPT,
-    PYPROJECT,
     bootstrap_arguments,
     pinned_neuron_release,
     training_requirements,
 )
+from stacks.cluster_requirements import LOCK, ROOT, normalized, read_lock
 from stacks.config import load_environment
 from stacks.pcluster_config import ClusterResources, build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
@@ -151,21 +151,22 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
     config = load_environment("default", ENVIRONMENTS_DIR)
     arguments = bootstrap_arguments(neuron_release=release, shared_env=shared_env_path(config, release))
     assert arguments[:4] == ("--neuron-release", release, "--shared-env", f"/fsx/envs/neuron-{release}")
-    # The training package's pins from pyproject.toml go into the shared venv; torch comes from Neuron.
+    # The cluster's locked requirement set goes into the shared venv, exactly as the lock file has it.
     assert arguments[4] == "--extra-pip"
     pins = arguments[5].split(",")
-    assert "transformers==5.23.0" in pins and "PyYAML==6.0.3" in pins and "Jinja2==3.1.6" in pins
-    assert not any(pin.startswith("torch==") for pin in pins)
+    assert tuple(pins) == read_lock(LOCK)
+    assert {"torch==2.9.1", "torch-xla==2.9.0", "transformers==4.57.6"} <= set(pins)
     with pytest.raises(ValueError, match="pins no NEURON_RELEASE"):
         pinned_neuron_release("#!/bin/bash\n")
 
 
 def test_cluster_installs_the_training_pins_only() -> None:
-    """The shared environment on the cluster gets the package's runtime pins (less torch, which comes from
-    Neuron): no CDK (infra) or test and lint (dev) pin is installed on a node."""
-    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    """The shared environment on the cluster gets the locked runtime set: no CDK (infra) or test and lint
+    (dev) package is installed on a node."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    pins = set(training_requirements())
-    assert pins == {pin for pin in (*project["dependencies"], *extras["training"]) if not pin.startswith("torch==")}
-    developer_only = (set(extras["infra"]) | set(extras["dev"])) - set(extras["training"])
-    assert developer_only and not pins & developer_only
+    installed = {normalized(pin) for pin in training_requirements()}
+    developer_only = {normalized(pin) for pin in (*extras["infra"], *extras["dev"])} - {
+        normalized(pin) for pin in extras["training"]
+    }
+    assert developer_only and not installed & developer_only

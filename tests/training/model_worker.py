@@ -1,9 +1,9 @@
 """One rank of the tensor-parallel model tests; run by `torchrun --standalone --nproc_per_node N`.
 
-For every case of a JSON plan: initialise the CPU facade at the case's TP degree, load this rank's file of
-an NxD checkpoint (strict), run one forward and backward on this DP replica's batch, and save what the
-test compares: gathered logits, loss, aux loss, per-parameter gradients, the state dict after loading and
-the state dict of a freshly seeded model.
+For every case of a JSON plan: initialise the facade (the case's backend, default cpu) at its TP degree,
+load this rank's file of an NxD checkpoint (strict), run one forward and backward on this DP replica's
+batch, and save what the test compares: gathered logits, loss, aux loss, per-parameter gradients, the
+state dict after loading and the state dict of a freshly seeded model.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ from typing import Any
 
 import torch
 
+from training.config.recipe import OptimizerSection
 from training.model import parallel
 from training.model.transformer import build_model, gather_logits
+from training.train.optimizer import neuron_trainer_options
 
 
 def run_case(case: dict[str, Any], out: Path) -> None:
-    parallel.initialize(case["tp"], "cpu")
+    backend = case.get("backend", "cpu")  # "neuron" in the neuron tier, under NxD's CPU mode
+    parallel.initialize(case["tp"], backend, neuron_options=neuron_trainer_options(OptimizerSection(lr=1e-3)))
     try:
         checkpoint = Path(case["checkpoint"])
         config = json.loads((checkpoint / "config.json").read_text())
@@ -42,6 +45,11 @@ def run_case(case: dict[str, Any], out: Path) -> None:
         output.loss.backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters(remove_duplicate=False)}
 
+        norm = None
+        if backend == "neuron":  # neuronx-distributed's own TP-aware norm, from the parameters' attributes
+            from neuronx_distributed.parallel_layers.grads import get_grad_norm
+
+            norm = float(get_grad_norm(list(model.parameters())))
         seeded = build_model(config, seed=case.get("seed", 7), **options)
         result = {
             "tp_rank": tp_rank,
@@ -50,6 +58,7 @@ def run_case(case: dict[str, Any], out: Path) -> None:
             "loss": output.loss.detach(),
             "aux_loss": None if output.aux_loss is None else output.aux_loss.detach(),
             "grads": grads,
+            "grad_norm": norm,
             "state_dict": loaded,
             "seeded_state_dict": seeded.state_dict(),
         }

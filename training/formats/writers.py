@@ -444,6 +444,10 @@ def _tensors_dir(path: Path) -> Path:
     return Path(f"{path}.tensors")
 
 
+def _info_file(path: Path) -> Path:
+    return path.with_name(path.name + ".info.pt")
+
+
 def _tensor_file(path: Path, tid: int) -> Path:
     return _tensors_dir(path) / f"tensor_{tid}.pt"
 
@@ -455,6 +459,8 @@ class XserWriter(_Writer):
 
     torch_xla numbers tensors in the traversal order of the saved object; `root` keeps that order as long as
     it does not reorder the state. An existing `<path>.tensors` folder is replaced, as torch_xla does.
+    `close` also writes `<path>.info.pt` ({tid: dtype, shape, expert_model_parallel}), which neuronx-distributed
+    writes beside its own xser files and requires to load them once model parallelism is initialized.
     """
 
     def __init__(self, path: Path) -> None:
@@ -464,6 +470,7 @@ class XserWriter(_Writer):
             shutil.rmtree(self._dir)
         self._dir.mkdir()
         self._refs: dict[str, XserTensorReference] | None = {}
+        self._info: dict[int, dict[str, Any]] = {}
 
     def _is_open(self) -> bool:
         return self._refs is not None
@@ -475,17 +482,19 @@ class XserWriter(_Writer):
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         """Writes the tensor's own `torch.save`-format file now."""
-        self._tensor_file(key, lambda writer: writer.add(key, tensor))
+        self._tensor_file(key, tensor.dtype, tuple(tensor.shape), lambda writer: writer.add(key, tensor))
 
     def add_pieces(self, key: str, pieces: Iterable[torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Like `add`, for a tensor given as consecutive row-major pieces."""
-        self._tensor_file(key, lambda writer: writer.add_pieces(key, pieces, dtype, shape))
+        self._tensor_file(key, dtype, shape, lambda writer: writer.add_pieces(key, pieces, dtype, shape))
 
     def add_ranges(self, key: str, ranges: Sequence[FileRange], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Like `add`, for a tensor whose row-major bytes are `ranges` of other files."""
-        self._tensor_file(key, lambda writer: writer.add_ranges(key, ranges, dtype, shape))
+        self._tensor_file(key, dtype, shape, lambda writer: writer.add_ranges(key, ranges, dtype, shape))
 
-    def _tensor_file(self, key: str, write: Callable[[TorchFileWriter], None]) -> None:
+    def _tensor_file(
+        self, key: str, dtype: torch.dtype, shape: tuple[int, ...], write: Callable[[TorchFileWriter], None]
+    ) -> None:
         refs = self._open_refs()
         if key in refs:
             raise ValueError(f"{self.path}: duplicate key {key!r}")
@@ -494,6 +503,7 @@ class XserWriter(_Writer):
             write(writer)
             writer.close(lambda state: state[key])
         refs[key] = XserTensorReference(tid)
+        self._info[tid] = {"dtype": dtype, "shape": torch.Size(shape), "expert_model_parallel": False}
 
     def close(self, root: Callable[[dict[str, Any]], object] | None = None) -> None:
         """Writes the main file: `root(state)` (default `state`), where `state` maps each key, in `add` order,
@@ -503,12 +513,15 @@ class XserWriter(_Writer):
         obj = state if root is None else root(state)
         with TorchFileWriter(self.path) as writer:
             writer.close(lambda _: obj)
+        with TorchFileWriter(_info_file(self.path)) as writer:
+            writer.close(lambda _: self._info)
         self._refs = None
 
     def abort(self) -> None:
         """Deletes the partial checkpoint (main file and tensor folder)."""
         self._refs = None
         self.path.unlink(missing_ok=True)
+        _info_file(self.path).unlink(missing_ok=True)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,8 +50,10 @@ def _launcher_store() -> tuple[Store, int, int]:
     return _store
 
 
-def initialize(tp: int) -> None:
-    """gloo over env:// under torchrun (RANK, WORLD_SIZE, MASTER_ADDR), else a one-process world."""
+def initialize(tp: int, options: Mapping[str, Any]) -> None:
+    """gloo over env:// under torchrun (RANK, WORLD_SIZE, MASTER_ADDR), else a one-process world.
+
+    `options` configure neuronx-distributed's trainer; nothing here uses them."""
     global _state, _generation
     owns_world = not dist.is_initialized()
     if owns_world:
@@ -140,6 +142,24 @@ def device() -> torch.device:
 
 def mark_step() -> None:
     """Eager execution: nothing to cut."""
+
+
+def add_step_closure(closure: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
+    """Eager execution: the values are ready now."""
+    closure(*args)
+
+
+def move_model_to_device(model: nn.Module, device: torch.device) -> None:
+    model.to(device)
+
+
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int, num_partitions: int = -1
+) -> None:
+    """The same attributes neuronx-distributed sets; this backend's gradient norm uses the layout rules instead."""
+    for name, value in (("tensor_model_parallel", is_parallel), ("partition_dim", dim), ("partition_stride", stride)):
+        setattr(tensor, name, value)
+    tensor.num_partitions = num_partitions if num_partitions > 0 else tp_size()  # type: ignore[attr-defined]
 
 
 def kv_shared_group(multiplier: int) -> ProcessGroup:

@@ -11,43 +11,74 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from training.model.parallel import PARALLEL_STATE
+from training.model.parallel import NXD_UTILS, PARALLEL_STATE, TRAINER
 
 if TYPE_CHECKING:
     from training.model.parallel import Declaration
 
 _owns_world = False
+_config: dict[str, Any] | None = None
 
 
-def initialize(tp: int) -> None:
-    """`init_process_group("xla")` (torchrun's env), then NxD's groups: TP = consecutive ranks, DP = the rest."""
-    global _owns_world
+def initialize(tp: int, options: Mapping[str, Any]) -> None:
+    """`init_process_group` (torchrun's env; "xla", or gloo in NxD's CPU mode), then neuronx-distributed's
+    trainer configuration, whose creation initializes the model-parallel groups (TP = consecutive ranks, DP
+    = the rest): once."""
+    global _owns_world, _config
     if not dist.is_initialized():
-        importlib.import_module("torch_xla.distributed.xla_backend")  # registers the "xla" process-group backend
-        dist.init_process_group("xla")
+        if cpu_mode():
+            dist.init_process_group("gloo")
+        else:
+            importlib.import_module("torch_xla.distributed.xla_backend")  # registers the "xla" backend
+            dist.init_process_group("xla")
         _owns_world = True
-    importlib.import_module(PARALLEL_STATE).initialize_model_parallel(tensor_model_parallel_size=tp)
+    trainer = importlib.import_module(TRAINER)
+    _config = trainer.neuronx_distributed_config(tensor_parallel_size=tp, **options)
+
+
+def platform_target() -> str:
+    """The Trainium generation this host compiles for ("trn1", "trn2", ...), as neuronx-distributed asks it."""
+    return str(importlib.import_module("torch_neuronx.utils").get_platform_target())
+
+
+def cpu_mode() -> bool:
+    """neuronx-distributed's CPU mode (`NXD_CPU_MODE=1`): its layers on CPU tensors, collectives over gloo."""
+    return bool(importlib.import_module(NXD_UTILS).cpu_mode())
+
+
+def trainer_config() -> dict[str, Any]:
+    """The one `neuronx_distributed_config` of this process (what NxD's optimizer and checkpoint calls take)."""
+    if _config is None:
+        raise RuntimeError("the neuron backend is not initialized")
+    return _config
 
 
 def destroy() -> None:
-    global _owns_world
+    global _owns_world, _config
     importlib.import_module(PARALLEL_STATE).destroy_model_parallel()
+    _config = None
     if _owns_world:
         dist.destroy_process_group()
         _owns_world = False
 
 
 def resolve(declaration: Declaration) -> Callable[..., Any]:
+    if declaration.name == "add_step_closure" and cpu_mode():
+        return _at_once  # nothing is traced in CPU mode, and no mark_step would ever run the closure
     implementation: Callable[..., Any] = getattr(importlib.import_module(declaration.module), declaration.attribute)
     if declaration.modifies_input:
         return functools.partial(_on_a_copy, implementation)
     return implementation
+
+
+def _at_once(closure: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
+    closure(*args)
 
 
 def _on_a_copy(implementation: Callable[..., Any], first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

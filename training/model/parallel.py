@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
@@ -52,6 +52,10 @@ QKV_LINEAR = "neuronx_distributed.modules.qkv_linear"
 MAPPINGS = "neuronx_distributed.parallel_layers.mappings"
 LOSS_FUNCTIONS = "neuronx_distributed.parallel_layers.loss_functions"
 PARALLEL_STATE = "neuronx_distributed.parallel_layers.parallel_state"
+PARALLEL_UTILS = "neuronx_distributed.parallel_layers.utils"
+MODEL_UTILS = "neuronx_distributed.utils.model_utils"
+TRAINER = "neuronx_distributed.trainer"
+NXD_UTILS = "neuronx_distributed.utils"
 XLA_MODEL = "torch_xla.core.xla_model"
 
 P = ParamSpec("P")
@@ -115,7 +119,7 @@ def neuron(
 class ParallelBackend(Protocol):
     """What a backend module provides; `training.model.cpu_backend` and `training.model.neuron_backend` conform."""
 
-    def initialize(self, tp: int) -> None: ...
+    def initialize(self, tp: int, options: Mapping[str, Any]) -> None: ...
     def destroy(self) -> None: ...
     def resolve(self, declaration: Declaration) -> Callable[..., Any]:
         """The implementation of a declared name (a class or a function), called as `Declaration.call` says."""
@@ -137,15 +141,19 @@ def _load(backend: Backend) -> ParallelBackend:
     return neuron_backend
 
 
-def initialize(tp: int = 1, backend: Backend = "cpu") -> None:
-    """Start torch.distributed if needed (env:// under torchrun, a one-process world otherwise) and the groups."""
+def initialize(tp: int = 1, backend: Backend = "cpu", neuron_options: Mapping[str, Any] | None = None) -> None:
+    """Start torch.distributed if needed (env:// under torchrun, a one-process world otherwise) and the groups.
+
+    `neuron_options`: keyword arguments of neuronx-distributed's `neuronx_distributed_config` besides the TP
+    degree (optimizer and mixed-precision settings); that call creates the model-parallel groups, once.
+    """
     global _active, _active_name
     if backend not in BACKENDS:
         raise UserError(f"parallel backend {backend!r} is not supported; allowed: {', '.join(BACKENDS)}")
     if _active is not None:
         raise RuntimeError(f"the {_active_name} parallel backend is already initialized; call destroy() first")
     implementation = _load(backend)
-    implementation.initialize(tp)
+    implementation.initialize(tp, dict(neuron_options or {}))
     _active, _active_name = implementation, backend
 
 
@@ -216,14 +224,36 @@ def dp_group() -> ProcessGroup:
     """The ranks with this process's TP rank, `tp` apart: the replicas of its shards."""
 
 
-@neuron(XLA_MODEL, "xla_device")
+@neuron(NXD_UTILS, "get_device")
 def device() -> torch.device:
-    """Where parameters and batches live: the CPU, or this process's NeuronCore (an XLA device)."""
+    """Where parameters and batches live: the CPU, or this process's NeuronCore (an XLA device; the CPU in
+    neuronx-distributed's CPU mode, `NXD_CPU_MODE=1`)."""
+
+
+@neuron(NXD_UTILS)
+def mark_step() -> None:
+    """End of a lazily traced step (cuts and runs the XLA graph on Neuron; nothing on CPU or in NxD's CPU mode)."""
 
 
 @neuron(XLA_MODEL)
-def mark_step() -> None:
-    """End of a lazily traced step (cuts and runs the XLA graph on Neuron; nothing on CPU)."""
+def add_step_closure(closure: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
+    """Run `closure(*args)` once the current graph has run, when reading its tensors costs no extra graph
+    (at the next `mark_step` on Neuron; at once on CPU, where values are always ready)."""
+
+
+@neuron(PARALLEL_UTILS)
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int, num_partitions: int = -1
+) -> None:
+    """Mark a parameter that is not one of the parallel layers' as this rank's shard of a tensor split on `dim`
+    over `num_partitions` ranks: neuronx-distributed's gradient norm and ZeRO-1 read these attributes (a
+    parameter without them counts as replicated)."""
+
+
+@neuron(MODEL_UTILS)
+def move_model_to_device(model: nn.Module, device: torch.device) -> None:
+    """`model.to(device)` keeping what a plain `.to` loses on XLA: neuronx-distributed's tensor-parallel
+    parameter attributes, and weights shared between modules (they would become two tensors)."""
 
 
 # --- layers: neuronx-distributed's constructor arguments and semantics ------------------------------------

@@ -213,19 +213,24 @@ class MLP(nn.Module):
 
 
 class _Weight(nn.Module):
-    """One stacked expert weight, registered under the module path neuronx-distributed gives it."""
+    """One stacked expert weight, registered under the module path neuronx-distributed gives it, and marked
+    as this rank's shard on `dim` (as NxD's own expert modules mark theirs)."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, *, dim: int, stride: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype).normal_(std=0.02))
+        parallel.set_tensor_model_parallel_attributes(
+            self.weight, is_parallel=True, dim=dim, stride=stride, num_partitions=parallel.tp_size()
+        )
 
 
 class _ExpertWeights(nn.Module):
     def __init__(self, config: ModelConfig, tp: int) -> None:
         super().__init__()
         e, h, part = config.spec.num_experts, config.spec.hidden_size, config.spec.intermediate_size // tp
-        self.gate_up_proj = _Weight((e, h, 2 * part), config.dtype)  # [gate | up] columns of this rank
-        self.down_proj = _Weight((e, part, h), config.dtype)
+        # [gate | up] columns of this rank: split on the last dimension in two interleaved parts (stride 2).
+        self.gate_up_proj = _Weight((e, h, 2 * part), config.dtype, dim=2, stride=2)
+        self.down_proj = _Weight((e, part, h), config.dtype, dim=1, stride=1)
 
 
 class _ExpertMLPs(nn.Module):
@@ -373,9 +378,7 @@ class CausalLM(nn.Module):
         self.lm_head = parallel.ColumnParallelLinear(
             spec.hidden_size, spec.vocab_size, bias=False, gather_output=False, dtype=config.dtype
         )
-        if spec.tie_word_embeddings:
-            # Both are split on the vocabulary rows the same way, so each rank can share its shard.
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         expected = {rule.target for rules in all_rules(spec, parallelism, "nxd") for rule in rules}
         if set(self.state_dict()) != expected:
             raise AssertionError(f"model parameters differ from the nxd layout: {set(self.state_dict()) ^ expected}")
@@ -383,6 +386,12 @@ class CausalLM(nn.Module):
     @property
     def spec(self) -> ModelSpec:
         return self.config.spec
+
+    def tie_weights(self) -> None:
+        """Head and embedding as one parameter when the config ties them (both are split on the vocabulary rows
+        the same way, so each rank shares its shard)."""
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
         """`labels[t]` is the target of position t (already shifted); -100 marks positions without one."""
@@ -434,7 +443,11 @@ def build_model(
     model = CausalLM(model_config, parallelism, dispatch=dispatch, router_aux_loss=aux)
     if seed is not None:
         initialize_weights(model, seed)
-    return model.to(parallel.device())
+    parallel.move_model_to_device(model, parallel.device())
+    # NxD 2.28 re-ties only Hugging Face models (its search for shared parameters in other modules starts a new
+    # record in every submodule and finds none), so tie again on the device.
+    model.tie_weights()
+    return model
 
 
 def initial_tensor(name: str, shape: Sequence[int], seed: int, std: float) -> torch.Tensor:

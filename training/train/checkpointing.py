@@ -87,6 +87,8 @@ def save_checkpoint(
             num_kept_ckpts=keep_last,
             zero1_optimizer=optimizer.settings.zero1,
         )
+        # NxD saves no random generator state; ours goes beside its files (read back by load_training_state).
+        _save_atomically(_rng_state(), target / "rng" / f"rank_{parallel.world_rank():05d}.pt")
         return target
     rank, tp, dp = parallel.world_rank(), parallel.tp_rank(), parallel.dp_rank()
     if rank == 0 and target.exists():
@@ -120,25 +122,39 @@ def prune(directory: Path, keep_last: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def load_checkpoint(directory: Path, step: int, model: CausalLM, optimizer: TrainingOptimizer) -> dict[str, Any]:
-    """Restores weights, optimizer, schedule and this rank's RNG; returns the user content (step, data position)."""
+def load_weights(directory: Path, step: int, model: CausalLM) -> None:
+    """The model's weights of a checkpoint. Loaded before the optimizer is built, as pretrained weights are:
+    ZeRO-1 derives its fp32 master copy from the parameters when it is built."""
     target = step_directory(directory, step)
     if parallel.backend() == "neuron":
         from neuronx_distributed.trainer import load_checkpoint as nxd_load
 
-        content = nxd_load(
-            str(directory), tag=target.name, model=model, optimizer=optimizer.inner, scheduler=optimizer.scheduler
+        nxd_load(str(directory), tag=target.name, model=model, strict=True)
+        return
+    model.load_state_dict(torch.load(nxd_rank_file(target, parallel.tp_rank(), 0), weights_only=True))
+
+
+def load_training_state(directory: Path, step: int, optimizer: TrainingOptimizer) -> dict[str, Any]:
+    """Optimizer state, schedule and this rank's random generators of a checkpoint; returns the user content
+    (step, data position)."""
+    target = step_directory(directory, step)
+    if parallel.backend() == "neuron":
+        from neuronx_distributed.trainer import load_checkpoint as nxd_load
+
+        content = dict(
+            nxd_load(str(directory), tag=target.name, optimizer=optimizer.inner, scheduler=optimizer.scheduler) or {}
         )
-        return dict(content or {})
-    tp, dp, rank = parallel.tp_rank(), parallel.dp_rank(), parallel.world_rank()
-    model.load_state_dict(torch.load(nxd_rank_file(target, tp, 0), weights_only=True))
-    optim_file = target / "optim" / f"dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_00.pt"
-    optimizer.load_state_dict(torch.load(optim_file, weights_only=True))
-    optimizer.scheduler.load_state_dict(torch.load(target / "scheduler.pt", weights_only=True))
-    rng_file = target / "rng" / f"rank_{rank:05d}.pt"
+    else:
+        optim_file = (
+            target / "optim" / f"dp_rank_{parallel.dp_rank():02d}_tp_rank_{parallel.tp_rank():02d}_pp_rank_00.pt"
+        )
+        optimizer.load_state_dict(torch.load(optim_file, weights_only=True))
+        optimizer.scheduler.load_state_dict(torch.load(target / "scheduler.pt", weights_only=True))
+        content = dict(torch.load(target / "user_content.pt", weights_only=True))
+    rng_file = target / "rng" / f"rank_{parallel.world_rank():05d}.pt"
     if rng_file.is_file():
         _restore_rng(torch.load(rng_file, weights_only=False))
-    return dict(torch.load(target / "user_content.pt", weights_only=True))
+    return content
 
 
 def load_pretrained(directory: Path, config_path: Path, model: CausalLM) -> None:

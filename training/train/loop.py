@@ -21,15 +21,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from training.config.loading import not_allowed
 from training.config.recipe import Recipe, recipe_as_dict
 from training.errors import UserError
 from training.formats.hf import copy_companions, read_config
 from training.formats.layouts import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
 from training.model import parallel
 from training.model.transformer import build_model, model_flops_per_token
-from training.train.checkpointing import latest_complete_step, load_checkpoint, load_pretrained, save_checkpoint
+from training.train.checkpointing import (
+    latest_complete_step,
+    load_pretrained,
+    load_training_state,
+    load_weights,
+    save_checkpoint,
+)
 from training.train.loader import BatchPlan, TrainingData
-from training.train.optimizer import TrainingOptimizer
+from training.train.optimizer import TrainingOptimizer, neuron_trainer_options
 
 log = logging.getLogger(__name__)
 COMPILE_STEPS = 2  # step 1's optimizer graph differs from the steady state of step 2 (REFERENCE.md s7)
@@ -56,6 +63,21 @@ def check_model_fits(recipe: Recipe, spec: ModelSpec) -> Parallelism:
         check_parallelism(spec, parallelism, "nxd")
     except UserError as error:
         raise UserError(f"parallelism.tp {wanted.tp}: {error}") from None
+    if recipe.backend == "neuron" and multiplier > 1:
+        from training.model.neuron_backend import platform_target
+
+        target = platform_target()
+        if target != "trn1":
+            # Our layout (and the converter's) tiles the K/V replicas over the ranks as NxD does on trn1; on
+            # later generations NxD's `arrange_kv_groups` puts them on consecutive ranks instead.
+            raise UserError(
+                not_allowed(
+                    "parallelism.kv_size_multiplier",
+                    multiplier,
+                    f"1 on {target}: replicated K/V heads are laid out for trn1 only; use a TP degree that "
+                    f"divides the {spec.num_kv_heads} KV heads",
+                )
+            )
     return parallelism
 
 
@@ -87,7 +109,9 @@ def train(options: TrainOptions) -> dict[str, Any]:
     plan = BatchPlan(recipe.batch.global_batch, recipe.batch.micro, world // recipe.parallelism.tp)
     plan.check()
 
-    parallel.initialize(tp=recipe.parallelism.tp, backend=recipe.backend)
+    parallel.initialize(
+        tp=recipe.parallelism.tp, backend=recipe.backend, neuron_options=neuron_trainer_options(recipe.optimizer)
+    )
     try:
         return _run(options, config, config_path, parallelism, plan, data)
     finally:
@@ -116,13 +140,15 @@ def _run(
         seed=recipe.seed,
         router_aux_loss=True,
     )
-    if recipe.model.pretrained and resume_step is None:
+    if resume_step is not None:
+        load_weights(checkpoint_dir, resume_step, model)
+    elif recipe.model.pretrained:
         load_pretrained(Path(recipe.model.pretrained), config_path, model)
     # Built after the weights are loaded: ZeRO-1 derives its fp32 master copy from the parameters.
     optimizer = TrainingOptimizer(model, recipe.optimizer, recipe.schedule, recipe.steps)
     start = 0
     if resume_step is not None:
-        content = load_checkpoint(checkpoint_dir, resume_step, model, optimizer)
+        content = load_training_state(checkpoint_dir, resume_step, optimizer)
         start = int(content["step"])
     if rank == 0 and not options.compile_only:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +164,26 @@ def _run(
         )
     device = parallel.device()
     losses: list[float] = []
-    window_start, window_steps = time.perf_counter(), 0
+    window = _Window(time.perf_counter())
+
+    def report(done: int, loss_tensor: torch.Tensor, norm_tensor: torch.Tensor, learning_rate: float) -> None:
+        """Runs once the step's graph has run (a step closure on Neuron), so reading the values costs no graph."""
+        loss = float(loss_tensor)
+        elapsed = time.perf_counter() - window.start
+        record = _metrics_record(recipe, plan, done, loss, learning_rate, float(norm_tensor), elapsed, window.steps)
+        peak_flops = recipe.peak_tflops_per_worker * 1e12 * parallel.world_size()
+        record["mfu"] = round(flops_per_token * record["tokens_per_second"] / peak_flops, 6)
+        record.update(graph_counters())
+        losses.append(loss)
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            log.info(
+                f"(step {done}) step_loss : {loss:.4f} learning_rate : {learning_rate:.2e} "
+                f"throughput : {record['seq_per_second']:.2f} seq/s"
+            )
+        window.start, window.steps = time.perf_counter(), 0
+
     try:
         for step in range(start, last):
             total = torch.zeros((), device=device)
@@ -148,26 +193,16 @@ def _run(
                 assert output.loss is not None
                 (output.loss / plan.accumulation).backward()
                 total += output.loss.detach()
+                # One graph per micro batch on Neuron: a step of N micro batches is never traced as one graph.
+                parallel.mark_step()
             learning_rate = optimizer.lr
             grad_norm = optimizer.step()
-            parallel.mark_step()
-            window_steps += 1
+            loss = _data_parallel_mean(total / plan.accumulation)
             done = step + 1
+            window.steps += 1
             if done % recipe.log_every == 0 or done == last:
-                loss = _data_parallel_mean(total / plan.accumulation)
-                elapsed = time.perf_counter() - window_start
-                record = _metrics_record(recipe, plan, done, loss, learning_rate, grad_norm, elapsed, window_steps)
-                peak_flops = recipe.peak_tflops_per_worker * 1e12 * parallel.world_size()
-                record["mfu"] = round(flops_per_token * record["tokens_per_second"] / peak_flops, 6)
-                losses.append(loss)
-                if metrics is not None:
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
-                    log.info(
-                        f"(step {done}) step_loss : {loss:.4f} learning_rate : {learning_rate:.2e} "
-                        f"throughput : {record['seq_per_second']:.2f} seq/s"
-                    )
-                window_start, window_steps = time.perf_counter(), 0
+                parallel.add_step_closure(report, (done, loss, grad_norm, learning_rate))
+            parallel.mark_step()  # the optimizer step's graph; the closure runs after it
             if not options.compile_only and _checkpoint_due(recipe, done):
                 user_content = {"step": done, "consumed_samples": done * plan.global_batch}
                 save_checkpoint(
@@ -187,6 +222,14 @@ def _run(
             metrics.close()
     first, final = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     return {"steps": last, "started_at": start, "first_loss": first, "last_loss": final}
+
+
+@dataclass
+class _Window:
+    """The logging window: when it started and how many steps it has counted (for seq/s)."""
+
+    start: float
+    steps: int = 0
 
 
 def _checkpoint_due(recipe: Recipe, step: int) -> bool:
@@ -216,12 +259,31 @@ def _metrics_record(
     }
 
 
-def _data_parallel_mean(value: torch.Tensor) -> float:
-    if parallel.backend() == "cpu" and parallel.dp_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value, group=parallel.dp_group())
-        value /= parallel.dp_size()
-    return float(value)
+def _data_parallel_mean(value: torch.Tensor) -> torch.Tensor:
+    """The mean over the data-parallel ranks (each rank saw its own slice of the global batch), on the device."""
+    if parallel.dp_size() == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, group=parallel.dp_group())
+    return value / parallel.dp_size()
+
+
+def graph_counters() -> dict[str, int]:
+    """On Neuron, torch-xla's cumulative counts of graph compilations, executions and device-to-host transfers
+    (a step that compiles after the first two is a recompilation: each costs minutes on Trainium)."""
+    if parallel.backend() != "neuron":
+        return {}
+    import torch_xla.debug.metrics as xla_metrics
+
+    def count(name: str) -> int:
+        data = xla_metrics.metric_data(name)
+        return int(data[0]) if data else 0
+
+    return {
+        "xla_compilations": count("CompileTime"),
+        "xla_executions": count("ExecuteTime"),
+        "xla_transfers_to_host": count("TransferFromDeviceTime"),
+    }
 
 
 def _open_metrics(options: TrainOptions, checkpoint_dir: Path) -> TextIO:

@@ -9,12 +9,12 @@ ZeRO-1 shards the optimizer state over the data-parallel ranks with torch's Zero
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
 from training.config.recipe import OptimizerSection, ScheduleSection
 from training.formats.layouts import replicated_targets
@@ -43,6 +43,49 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+CAPTURABLE_LR_FLOOR = 1e-12
+
+
+class Schedule:
+    """The learning rate of each step, set on the optimizer before the step; its state is the step count.
+
+    On Neuron the optimizer's learning rate is a one-element device tensor, overwritten from a host tensor: the
+    value is then an input of the step's graph. As a Python float it would reach the graph as a scalar, and
+    torch-xla compiles the scalars 0 and 1 in as constants, so a schedule that decays to 0 would compile a new
+    graph for its last step (minutes on Trainium).
+    """
+
+    def __init__(self, optimizer: Any, learning_rate_of_step: Callable[[int], float]) -> None:
+        self.optimizer, self.learning_rate_of_step = optimizer, learning_rate_of_step
+        self.last_epoch = 0  # steps taken (the name NxD's checkpointing and torch's schedulers use)
+        self._apply()
+
+    def current(self) -> float:
+        """The learning rate of the next step (1-based steps)."""
+        return self.learning_rate_of_step(self.last_epoch + 1)
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_epoch = int(state["last_epoch"])
+        self._apply()
+
+    def _apply(self) -> None:
+        value = self.current()
+        for group in self.optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                # AdamW's capturable form divides by the step size: an lr of exactly 0 turns every weight whose
+                # second moment is still 0 (an embedding row never seen) into NaN. 1e-12 moves no fp32 weight.
+                group["lr"].copy_(torch.tensor([max(value, CAPTURABLE_LR_FLOOR)], dtype=group["lr"].dtype))
+            else:
+                group["lr"] = value
+
+
 class TrainingOptimizer:
     """One optimizer step from the accumulated gradients: DP average, clip, update. Returns the grad norm."""
 
@@ -61,8 +104,7 @@ class TrainingOptimizer:
             )
         else:
             self.inner = torch.optim.AdamW(groups, **defaults)
-        peak = settings.lr
-        self.scheduler = LambdaLR(self.inner, lambda index: learning_rate(index + 1, peak, schedule, steps) / peak)
+        self.scheduler = Schedule(self.inner, lambda step: learning_rate(step, settings.lr, schedule, steps))
         replicated = replicated_targets(model.spec, model.parallelism, "nxd")
         names = dict(model.named_parameters())
         self._sharded = [p for n, p in names.items() if n not in replicated or parallel.tp_size() == 1]
@@ -70,15 +112,18 @@ class TrainingOptimizer:
 
     @property
     def lr(self) -> float:
-        return float(self.inner.param_groups[0]["lr"])
+        """The learning rate of the next step, from the schedule (never read back from the device)."""
+        return self.scheduler.current()
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor:
+        """Update the parameters; the gradient norm before clipping, as a tensor on the device (reading it on
+        Neuron before the step's graph has run would run a graph of its own)."""
         if parallel.backend() == "neuron":
             self.inner.step()  # reduces over DP, clips with the TP-aware norm, updates
-            norm = float(self.inner.grad_norm) if self.inner.grad_norm is not None else float("nan")
+            norm = self.inner.grad_norm if self.inner.grad_norm is not None else torch.tensor(float("nan"))
         else:
             self._average_over_data_parallel()
-            norm = self._clip()
+            norm = torch.tensor(self._clip(), dtype=torch.float64)
             self.inner.step()
         self.scheduler.step()
         self.inner.zero_grad(set_to_none=True)
@@ -125,21 +170,36 @@ class TrainingOptimizer:
         self._local().load_state_dict(state)
 
 
-def _neuron_optimizer(groups: list[dict[str, Any]], settings: OptimizerSection, defaults: dict[str, Any]) -> Any:
-    """neuronx-distributed's optimizer wrapper (ZeRO-1 with fp32 master weights and grad accumulation)."""
-    from neuronx_distributed.trainer import initialize_parallel_optimizer, neuronx_distributed_config
-
-    config = neuronx_distributed_config(
-        tensor_parallel_size=parallel.tp_size(),
-        optimizer_config={
+def neuron_trainer_options(settings: OptimizerSection) -> dict[str, Any]:
+    """neuronx-distributed's trainer configuration for this optimizer (`parallel.initialize(neuron_options=)`)."""
+    return {
+        "optimizer_config": {
             "zero_one_enabled": settings.zero1,
             "grad_clipping": settings.grad_clip > 0,
             "max_grad_norm": settings.grad_clip,
         },
-        mixed_precision_config={
+        "mixed_precision_config": {
             "use_master_weights": settings.zero1,
             "use_fp32_grad_acc": settings.zero1,
-            "use_master_weights_in_ckpt": False,
+            # Saved, so a resumed run continues from the exact fp32 master weights, not from ones re-derived
+            # from bf16 parameters (which would make it drift from the uninterrupted run).
+            "use_master_weights_in_ckpt": settings.zero1,
         },
-    )
-    return initialize_parallel_optimizer(config, torch.optim.AdamW, groups, **defaults)
+    }
+
+
+def _neuron_optimizer(groups: list[dict[str, Any]], settings: OptimizerSection, defaults: dict[str, Any]) -> Any:
+    """neuronx-distributed's optimizer wrapper (ZeRO-1 with fp32 master weights and grad accumulation), built from
+    the process's one trainer configuration."""
+    from neuronx_distributed.trainer import initialize_parallel_optimizer
+
+    from training.model import neuron_backend
+
+    # The learning rate as a device tensor (see Schedule), which AdamW takes in its capturable form: bias
+    # corrections and step counts stay on the device too, nothing is read back during the step.
+    learning_rate = torch.tensor([settings.lr], dtype=torch.float32, device=parallel.device())
+    defaults = {**defaults, "lr": learning_rate, "foreach": False, "capturable": True}
+    if settings.zero1:
+        # NxD hands ZeRO-1 `grad_clipping` but never the norm, so torch-xla's default max_norm=1.0 would apply.
+        defaults["max_norm"] = settings.grad_clip
+    return initialize_parallel_optimizer(neuron_backend.trainer_config(), torch.optim.AdamW, groups, **defaults)

@@ -1,0 +1,269 @@
+"""The `neuron` backend, executed: neuronx-distributed's layers, ZeRO-1 optimizer and checkpointing on
+torch-xla's CPU device at TP 1, against the `cpu` backend and against neuronx-distributed's own loader."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from training.formats.convert import ConvertOptions, convert
+from training.formats.readers import lazy_tensors, open_checkpoint_file
+from training.local.tiny import build_tiny_world
+from training.train.loop import KILL_AT_STEP
+
+# Relative tolerance of the neuron backend's per-step loss and gradient norm against the cpu backend's: both
+# run fp32, but torch-xla fuses differently and the neuron AdamW keeps its bias corrections on the device
+# (capturable form), so the last bits differ. Within one backend, runs are bit-identical (resume test).
+TOLERANCE = 1e-5
+STEPS = 7  # checkpoints at steps 3 and 6 and at the schedule's last step, 7, where the linear decay reaches 0
+CHECKPOINT_EVERY = 3
+MICRO_BATCHES = 4  # global batch 8 in micro batches of 2 on one data-parallel rank
+GRAD_CLIP = 0.5
+READS_PER_STEP = 2  # loss and gradient norm, read in a step closure once the step's graph has run
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("worlds")
+    return {name: build_tiny_world(root / name, name, tp=1) for name in ("llama", "mixtral")}
+
+
+RECIPES = {"llama": "tiny-llama-cpt", "mixtral": "tiny-mixtral-sft"}
+
+
+def train(
+    world: dict[str, Path], architecture: str, backend: str, checkpoints: Path, *extra: str, resume: bool = False
+) -> subprocess.CompletedProcess[str]:
+    overrides = [
+        f"model.config={world['hf']}",
+        f"model.pretrained={world['pretrained']}",
+        f"data.path={world['data']}",
+        f"checkpoint.dir={checkpoints}",
+        "parallelism.tp=1",
+        f"steps={STEPS}",
+        f"checkpoint.every={CHECKPOINT_EVERY}",
+        "checkpoint.keep_last=3",
+        "batch.global=8",
+        "batch.micro=2",
+        f"backend={backend}",
+        "precision=fp32",
+        # Below the tiny models' gradient norms (0.6 to 1.2), and not torch-xla's ZeRO-1 default of 1.0: the
+        # backends agree only if ZeRO-1 clips at the recipe's value.
+        f"optimizer.grad_clip={GRAD_CLIP}",
+        *extra,
+    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    command += ["-m", "training", "train", "--recipe", RECIPES[architecture], *overrides]
+    command += ["--resume"] if resume else []
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+
+
+def metrics(checkpoints: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(worlds: dict[str, dict[str, Path]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each tiny recipe once per backend, same settings, ZeRO-1 on (the recipes' default)."""
+    done: dict[str, Path] = {}
+    for architecture, world in worlds.items():
+        for backend in ("cpu", "neuron"):
+            checkpoints = tmp_path_factory.mktemp(f"{architecture}-{backend}")
+            result = train(world, architecture, backend, checkpoints)
+            assert result.returncode == 0, result.stderr[-4000:]
+            done[f"{architecture}-{backend}"] = checkpoints
+    return done
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mixtral"])
+def test_neuron_backend_trains_as_the_cpu_backend(architecture: str, runs: dict[str, Path]) -> None:
+    cpu, neuron = metrics(runs[f"{architecture}-cpu"]), metrics(runs[f"{architecture}-neuron"])
+    assert [r["step"] for r in neuron] == [r["step"] for r in cpu] == list(range(1, STEPS + 1))
+    assert any(r["grad_norm"] > GRAD_CLIP for r in cpu)  # clipping happened
+    for expected, actual in zip(cpu, neuron, strict=True):
+        assert actual["loss"] == pytest.approx(expected["loss"], rel=TOLERANCE), (expected, actual)
+        assert actual["grad_norm"] == pytest.approx(expected["grad_norm"], rel=TOLERANCE), (expected, actual)
+        assert actual["lr"] == expected["lr"]
+    if architecture == "llama":
+        assert neuron[-1]["lr"] == 0.0  # the linear schedule's last step, which must not compile a new graph
+
+
+def test_graph_discipline(runs: dict[str, Path]) -> None:
+    """Counted by torch-xla itself (`torch_xla.debug.metrics`, recorded per step in metrics.jsonl): one graph
+    execution per micro batch and one for the optimizer step, no compilation after step 2, and no device-to-host
+    transfer inside a step (only the step closure's two reads, after the graph ran). Saving a checkpoint is
+    between steps: NxD's save runs graphs of its own (compiled once, at the first save) and copies to the host."""
+    records = metrics(runs["llama-neuron"])
+    saved_before = {step + 1 for step in range(CHECKPOINT_EVERY, STEPS, CHECKPOINT_EVERY)}
+    first_save = min(saved_before)
+    for previous, record in itertools.pairwise(records):
+        step = record["step"]
+        compilations = record["xla_compilations"] - previous["xla_compilations"]
+        if step > 2:
+            assert compilations == (1 if step == first_save else 0), (step, compilations)
+        if step not in saved_before:
+            executions = record["xla_executions"] - previous["xla_executions"]
+            transfers = record["xla_transfers_to_host"] - previous["xla_transfers_to_host"]
+            assert executions == MICRO_BATCHES + 1, (step, executions)
+            assert transfers == READS_PER_STEP, (step, transfers)
+
+
+def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        from safetensors.torch import load_file
+
+        tensors.update(load_file(file))
+    return tensors
+
+
+def test_resume_continues_exactly(
+    worlds: dict[str, dict[str, Path]], runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after step 5, resumed from the step-3 checkpoint: every later step and the final weights equal
+    the uninterrupted run's, bit for bit (weights, optimizer state, schedule, RNG and data position restored)."""
+    checkpoints = tmp_path / "resumed"
+    world = worlds["llama"]
+    monkeypatch.setenv(KILL_AT_STEP, "5")  # the training job SIGKILLs itself after step 5
+    first = train(world, "llama", "neuron", checkpoints)
+    assert first.returncode != 0
+    monkeypatch.delenv(KILL_AT_STEP)
+    second = train(world, "llama", "neuron", checkpoints, resume=True)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "resumed from step 3" in second.stderr
+    assert (checkpoints / "step_3" / "rng" / "rank_00000.pt").is_file()  # NxD saves no RNG state; we do
+    straight = {r["step"]: r for r in metrics(runs["llama-neuron"])}
+    resumed = [r for r in metrics(checkpoints) if r["step"] > 3][-(STEPS - 3) :]
+    assert [r["step"] for r in resumed] == list(range(4, STEPS + 1))
+    for record in resumed:
+        assert (record["loss"], record["grad_norm"]) == (
+            straight[record["step"]]["loss"],
+            straight[record["step"]]["grad_norm"],
+        )
+    for which in (runs["llama-neuron"], checkpoints):
+        convert(ConvertOptions(source_format="nxd", target_format="hf", input=which, output=which / "hf"))
+    expected, actual = hf_tensors(runs["llama-neuron"] / "hf"), hf_tensors(checkpoints / "hf")
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+def test_xser_checkpoints_convert_like_plain_ones(
+    worlds: dict[str, dict[str, Path]], runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`convert --from nxd` reads what training saved through neuronx-distributed, plain and xser alike."""
+    checkpoints = tmp_path / "xser"
+    result = train(worlds["llama"], "llama", "neuron", checkpoints, "checkpoint.xser=true")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert list((checkpoints / f"step_{STEPS}" / "model").glob("*.pt.tensors"))  # xser: one file per tensor
+    plain = runs["llama-neuron"]
+    for which in (plain, checkpoints):
+        if not (which / "hf-final").exists():
+            convert(ConvertOptions(source_format="nxd", target_format="hf", input=which, output=which / "hf-final"))
+    expected, actual = hf_tensors(plain / "hf-final"), hf_tensors(checkpoints / "hf-final")
+    assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def neuron_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process as a one-rank torchrun job on the neuron backend."""
+    from training.config.recipe import OptimizerSection
+    from training.model import parallel
+    from training.train.optimizer import neuron_trainer_options
+
+    for name, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    parallel.initialize(1, "neuron", neuron_options=neuron_trainer_options(OptimizerSection(lr=1e-3)))
+    try:
+        yield
+    finally:
+        parallel.destroy()
+
+
+@pytest.mark.parametrize("xser", [False, True], ids=["plain", "xser"])
+def test_neuronx_distributed_loads_what_convert_writes(
+    xser: bool, worlds: dict[str, dict[str, Path]], neuron_backend: None, tmp_path: Path
+) -> None:
+    """NxD's own `load_checkpoint` reads `convert --to nxd` output into the model, bit-exact."""
+    from neuronx_distributed.trainer import load_checkpoint
+
+    from training.formats.hf import read_config
+    from training.model.transformer import build_model
+
+    world = worlds["llama"]
+    output = tmp_path / "pretrained_weight"
+    convert(ConvertOptions(source_format="hf", target_format="nxd", input=world["hf"], output=output, tp=1, xser=xser))
+    config, _ = read_config(world["hf"], None)
+    model = build_model(config, seed=None)
+    load_checkpoint(str(output.parent), tag=output.name, model=model, strict=True)
+    written = dict(lazy_tensors(open_checkpoint_file(output / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")))
+    loaded = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+    assert written.keys() == loaded.keys()
+    assert all(torch.equal(written[name].load(), loaded[name]) for name in written)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mixtral"])
+def test_placement_keeps_parallel_attributes_and_tied_weights(
+    architecture: str, worlds: dict[str, dict[str, Path]], neuron_backend: None
+) -> None:
+    """On the XLA device every sharded parameter still carries NxD's tensor-parallel attributes (ZeRO-1's
+    gradient norm reads them; the MoE experts included), and tied embedding and head are one tensor."""
+    from training.formats.hf import read_config
+    from training.formats.layouts import replicated_targets
+    from training.model.transformer import build_model
+
+    config, _ = read_config(worlds[architecture]["hf"], None)
+    model = build_model({**config, "tie_word_embeddings": True}, seed=0)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.device.type == "xla"
+    replicated = replicated_targets(model.spec, model.parallelism, "nxd")
+    sharded = [name for name, _ in model.named_parameters() if name not in replicated]
+    assert sharded and any("expert" in name for name in sharded) == (architecture == "mixtral")
+    unmarked = [
+        n for n, p in model.named_parameters() if n in sharded and not getattr(p, "tensor_model_parallel", False)
+    ]
+    assert unmarked == []
+
+
+def test_replicated_kv_heads_are_refused_off_trn1(
+    worlds: dict[str, dict[str, Path]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """K/V replicas are laid out as NxD tiles them on trn1; NxD groups them differently on trn2, so a recipe
+    that replicates K/V heads stops there at start, with one line, before anything is launched."""
+    from training.cli import main
+
+    monkeypatch.setenv("NEURON_STANDIN_PLATFORM", "trn2")
+    world = worlds["llama"]
+    arguments = ["train", "--recipe", "tiny-llama-cpt", f"model.config={world['hf']}", f"data.path={world['data']}"]
+    arguments += [f"checkpoint.dir={tmp_path / 'ckpt'}", "parallelism.tp=4", "backend=neuron", "precision=fp32"]
+    assert main(arguments) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (
+        "error: parallelism.kv_size_multiplier: 2 is not allowed; allowed: 1 on trn2: replicated K/V heads are "
+        "laid out for trn1 only; use a TP degree that divides the 2 KV heads"
+    )
+    assert not (tmp_path / "ckpt").exists()

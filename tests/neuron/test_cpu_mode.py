@@ -1,0 +1,95 @@
+"""Tensor parallelism 2 on the neuron backend, under neuronx-distributed's CPU mode (`NXD_CPU_MODE=1`: NxD's
+layers on CPU tensors, collectives over gloo), against the cpu backend: same logits, loss and gradients, and
+NxD's own TP-aware gradient norm equals the true norm (it reads the parameters' tensor-parallel attributes).
+XLA:CPU cannot check this: its collectives across processes are no-ops."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from training.formats.convert import ConvertOptions, convert
+from training.formats.hf import read_config
+from training.formats.layouts import ModelSpec, Parallelism, replicated_targets
+from training.local.tiny import tiny_model, train_tokenizer
+
+WORKER = Path(__file__).resolve().parents[1] / "training" / "model_worker.py"
+TP = 2
+RTOL, ATOL = 1e-5, 1e-6  # fp32; the two backends reduce in different orders
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("cpu-mode")
+    tokenizer = train_tokenizer(root / "tokenizer")
+    plan = []
+    generator = torch.Generator().manual_seed(0)
+    for architecture in ("llama", "mixtral"):
+        hf = tiny_model(root / architecture / "hf", tokenizer, architecture=architecture)
+        checkpoint = root / architecture / "nxd"
+        convert(ConvertOptions(source_format="hf", target_format="nxd", input=hf, output=checkpoint, tp=TP))
+        vocab = read_config(hf, None)[0]["vocab_size"]
+        batches = [torch.randint(0, vocab, (2, 24), generator=generator).tolist()]
+        for backend in ("cpu", "neuron"):
+            plan.append(
+                {
+                    "name": f"{architecture}-{backend}",
+                    "tp": TP,
+                    "checkpoint": str(checkpoint),
+                    "batches": batches,
+                    "backend": backend,
+                    "router_aux_loss": architecture == "mixtral",
+                }
+            )
+    for case in plan:  # one torchrun a case: each initializes its own process group from torchrun's store
+        (root / f"{case['name']}.json").write_text(json.dumps([case]))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={TP}"]
+        command += [str(WORKER), "--plan", str(root / f"{case['name']}.json"), "--out", str(root / "results")]
+        environ = {**os.environ, "NXD_CPU_MODE": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, env=environ, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-4000:]
+    return {
+        case["name"]: [
+            torch.load(root / "results" / case["name"] / f"rank_{r:02d}.pt", weights_only=False) for r in range(TP)
+        ]
+        for case in plan
+    } | {
+        "_config": [
+            {
+                "llama": read_config(root / "llama" / "hf", None)[0],
+                "mixtral": read_config(root / "mixtral" / "hf", None)[0],
+            }
+        ]
+    }
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mixtral"])
+def test_tp2_equals_the_cpu_backend(architecture: str, results: dict[str, list[dict[str, Any]]]) -> None:
+    for cpu, neuron in zip(results[f"{architecture}-cpu"], results[f"{architecture}-neuron"], strict=True):
+        assert torch.allclose(neuron["logits"], cpu["logits"], rtol=RTOL, atol=ATOL)
+        assert torch.allclose(neuron["loss"], cpu["loss"], rtol=RTOL, atol=ATOL)
+        assert neuron["grads"].keys() == cpu["grads"].keys()
+        for name, grad in cpu["grads"].items():
+            assert torch.allclose(neuron["grads"][name], grad, rtol=RTOL, atol=ATOL), name
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mixtral"])
+def test_nxd_gradient_norm_at_tp2_is_the_true_norm(architecture: str, results: dict[str, list[dict[str, Any]]]) -> None:
+    config = results["_config"][0][architecture]
+    spec = ModelSpec.from_config(config)
+    replicated = replicated_targets(spec, Parallelism(tp=TP, kv_multiplier=1, fuse_qkv=False), "nxd")
+    ranks = results[f"{architecture}-cpu"]
+    squares = sum(
+        float(g.double().pow(2).sum()) for rank in ranks for n, g in rank["grads"].items() if n not in replicated
+    )
+    squares += sum(float(g.double().pow(2).sum()) for n, g in ranks[0]["grads"].items() if n in replicated)
+    true_norm = squares**0.5
+    for rank in results[f"{architecture}-neuron"]:
+        assert rank["grad_norm"] == pytest.approx(true_norm, rel=1e-5)

@@ -1,0 +1,91 @@
+"""`make test-neuron`: the neuron test tier, in its own environment with the cluster's locked requirement set.
+
+The environment (torch 2.9.1 and torch-xla 2.9.0 from PyPI, several GB) is built once per lock file content
+under the cache directory and reused; neuronx-distributed's source is unpacked there from the archive
+NXD_SOURCE names (default: the vendored v2.28.0 archive beside this checkout). Then pytest runs, in that
+environment, the tier's own tests and the training tests (so the package is tested with the cluster's
+versions too), on torch-xla's CPU device, with only the Neuron binaries replaced by `tests/neuron/standins`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCK = ROOT / "assets" / "node" / "cluster-requirements.txt"
+STANDINS = Path(__file__).resolve().parent / "standins"
+DEFAULT_NXD_SOURCE = ROOT.parent / "shared" / "vendor" / "neuronx-distributed-2.28.0.tar.gz"
+CACHE = Path(os.environ.get("NEURON_TIER_CACHE", Path.home() / ".cache" / "trainium-training"))
+TEST_TOOLS = ("pytest==9.2.0",)
+TESTS = ("tests/neuron", "tests/training")
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def environment(cache: Path = CACHE) -> Path:
+    """The tier's virtual environment for the current lock (built on first use; a half-built one is redone)."""
+    target = cache / f"neuron-venv-{digest(LOCK)}"
+    python = target / "bin" / "python"
+    if not (target / ".complete").exists():
+        print(f"neuron tier: building {target} from {LOCK.relative_to(ROOT)} (several GB, once)", flush=True)
+        venv.EnvBuilder(clear=True, with_pip=True).create(target)
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        # The lock as it is (no resolution), then the test runner constrained by it, then pip's own check
+        # that the installed set is consistent.
+        subprocess.run([*pip, "--no-deps", "-r", str(LOCK)], check=True)
+        subprocess.run([*pip, "-c", str(LOCK), *TEST_TOOLS], check=True)
+        subprocess.run([str(python), "-m", "pip", "check"], check=True)
+        (target / ".complete").touch()
+    # The project itself, without dependencies: the lock is the whole environment.
+    project = ["--no-deps", "--no-build-isolation", "-e", str(ROOT)]
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *project], check=True
+    )
+    return target
+
+
+def neuronx_distributed_source(cache: Path = CACHE) -> Path:
+    """The `src` directory of the NxD archive, unpacked once per archive content."""
+    archive = Path(os.environ.get("NXD_SOURCE", DEFAULT_NXD_SOURCE))
+    if not archive.is_file():
+        raise SystemExit(
+            f"error: NXD_SOURCE: {str(archive)!r} is not a file; allowed: the neuronx-distributed v2.28.0 source "
+            "archive (README: 'The neuron test tier')"
+        )
+    target = cache / f"neuronx-distributed-{digest(archive)}"
+    if not (target / ".complete").exists():
+        target.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(archive) as bundle:
+            bundle.extractall(target, filter="data")
+        (target / ".complete").touch()
+    (source,) = target.glob("*/src")
+    return source
+
+
+def main(arguments: list[str]) -> int:
+    venv_dir = environment()
+    environ = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(STANDINS), str(neuronx_distributed_source()), str(ROOT)]),
+        "PJRT_DEVICE": "CPU",
+        "NEURON_TIER": "1",
+    }
+    python = str(venv_dir / "bin" / "python")
+    if arguments:
+        return subprocess.run([python, "-m", "pytest", *arguments], cwd=ROOT, env=environ, check=False).returncode
+    # One pytest process per folder: the training tests check that reading xser files never imports torch_xla,
+    # which the neuron tests have imported by then.
+    results = [subprocess.run([python, "-m", "pytest", tests], cwd=ROOT, env=environ, check=False) for tests in TESTS]
+    return max(result.returncode for result in results)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
