@@ -80,6 +80,8 @@ def runs(worlds: dict[str, dict[str, Path]], tmp_path_factory: pytest.TempPathFa
             checkpoints = tmp_path_factory.mktemp(f"{architecture}-{backend}")
             result = train(world, architecture, backend, checkpoints)
             assert result.returncode == 0, result.stderr[-4000:]
+            if backend == "neuron":  # NxD logs its groups each time it creates them: once per job
+                assert result.stderr.count("tp_groups: replica_groups") == 1, result.stderr[-4000:]
             done[f"{architecture}-{backend}"] = checkpoints
     return done
 
