@@ -57,11 +57,14 @@ def setup_logging(*, training: bool = False, environ: Mapping[str, str] = os.env
     formatter.converter = time.gmtime
     handler = _StderrHandler(sys.stderr)
     handler.setFormatter(formatter)
-    for previous in [h for h in log.handlers if isinstance(h, _StderrHandler)]:
-        log.removeHandler(previous)
-    log.addHandler(handler)
+    # On the root logger, so a library's later `logging.basicConfig()` (torch-xla calls it on import) finds a
+    # handler and adds none: otherwise every line would be printed twice. The `training` loggers propagate.
+    root = logging.getLogger()
+    for previous in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
+        root.removeHandler(previous)
+    root.addHandler(handler)
     log.setLevel(level)
-    log.propagate = True  # pytest's caplog listens on the root logger; the root has no handler of its own here
+    log.propagate = True
 
 
 def human(value: float) -> str:

@@ -81,7 +81,9 @@ def runs(worlds: dict[str, dict[str, Path]], tmp_path_factory: pytest.TempPathFa
             result = train(world, architecture, backend, checkpoints)
             assert result.returncode == 0, result.stderr[-4000:]
             if backend == "neuron":  # NxD logs its groups each time it creates them: once per job
-                assert result.stderr.count("tp_groups: replica_groups") == 1, result.stderr[-4000:]
+                output = result.stdout + result.stderr
+                assert output.count("tp_groups: replica_groups") == 1, output[-4000:]
+                assert result.stderr.count("(step 1) step_loss") == 1  # each line logged once
             done[f"{architecture}-{backend}"] = checkpoints
     return done
 

@@ -20,9 +20,10 @@ STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
 
 @pytest.fixture(autouse=True)
 def restore_logging() -> Iterator[None]:
-    handlers, level = list(log.handlers), log.level
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), log.level
     yield
-    log.handlers[:] = handlers
+    root.handlers[:] = handlers
     log.setLevel(level)
 
 
@@ -124,6 +125,14 @@ def test_level_variable(capsys: pytest.CaptureFixture[str]) -> None:
 def test_setting_up_twice_keeps_one_handler(capsys: pytest.CaptureFixture[str]) -> None:
     setup_logging(environ={})
     setup_logging(environ={})
+    log.info("once")
+    assert capsys.readouterr().err.count("once") == 1
+
+
+def test_a_later_basic_config_adds_no_second_handler(capsys: pytest.CaptureFixture[str]) -> None:
+    """torch-xla calls `logging.basicConfig()` when it is imported, after the CLI has set up logging."""
+    setup_logging(environ={})
+    logging.basicConfig()
     log.info("once")
     assert capsys.readouterr().err.count("once") == 1
 
