@@ -53,8 +53,18 @@ class Network(Construct):
             description="Head and compute nodes: all traffic among themselves (Slurm, EFA), outbound via NAT",
             allow_all_outbound=True,
         )
-        self.cluster_security_group.add_ingress_rule(
-            self.cluster_security_group, ec2.Port.all_traffic(), "All traffic between cluster nodes (EFA, Slurm)"
+        group = self.cluster_security_group
+        group.add_ingress_rule(group, ec2.Port.all_traffic(), "All traffic between cluster nodes (EFA, Slurm)")
+        # EFA also needs an outbound rule to the group itself: its SRD traffic matches no 0.0.0.0/0 rule, and
+        # ParallelCluster's EFA validator rejects the cluster without it. CDK drops egress rules added to a
+        # group that allows all outbound traffic, so this one is its own resource.
+        ec2.CfnSecurityGroupEgress(
+            self,
+            "ClusterSelfEgress",
+            group_id=group.security_group_id,
+            ip_protocol="-1",
+            destination_security_group_id=group.security_group_id,
+            description="All traffic between cluster nodes (EFA needs it both ways)",
         )
 
 

@@ -74,6 +74,48 @@ def resolved_configuration(env: Synthesized) -> dict[str, Any]:
     return resolve(cluster["Properties"]["ClusterConfiguration"], env.template["Resources"])
 
 
+def security_groups_of(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every security group of the template as EC2's DescribeSecurityGroups would return it: inline rules and
+    the separate ingress/egress resources CDK writes for rules between groups, with placeholder ids."""
+    resources = template["Resources"]
+
+    def permission(rule: dict[str, Any], peer_key: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {"IpProtocol": str(rule["IpProtocol"]), "IpRanges": [], "UserIdGroupPairs": []}
+        entry |= {key: rule[key] for key in ("FromPort", "ToPort") if key in rule}
+        if "CidrIp" in rule:
+            entry["IpRanges"].append({"CidrIp": rule["CidrIp"]})
+        if peer_key in rule:
+            entry["UserIdGroupPairs"].append({"GroupId": resolve(rule[peer_key], resources)})
+        return entry
+
+    groups = {
+        placeholder_id("sg", name): {
+            "GroupId": placeholder_id("sg", name),
+            "VpcId": "vpc-0aaaaaaaaaaaaaaa1",
+            "IpPermissions": [
+                permission(r, "SourceSecurityGroupId") for r in resource["Properties"].get("SecurityGroupIngress", [])
+            ],
+            "IpPermissionsEgress": [
+                permission(r, "DestinationSecurityGroupId")
+                for r in resource["Properties"].get("SecurityGroupEgress", [])
+            ],
+        }
+        for name, resource in resources.items()
+        if resource["Type"] == "AWS::EC2::SecurityGroup"
+    }
+    for resource in resources.values():
+        kind, rule = resource["Type"], resource.get("Properties", {})
+        if kind == "AWS::EC2::SecurityGroupIngress":
+            groups[resolve(rule["GroupId"], resources)]["IpPermissions"].append(
+                permission(rule, "SourceSecurityGroupId")
+            )
+        elif kind == "AWS::EC2::SecurityGroupEgress":
+            groups[resolve(rule["GroupId"], resources)]["IpPermissionsEgress"].append(
+                permission(rule, "DestinationSecurityGroupId")
+            )
+    return groups
+
+
 @pytest.mark.parametrize("env_name", ENVIRONMENT_NAMES)
 def test_synthesized_configuration_passes_parallelcluster_validation(
     env_name: str, synthesized: dict[str, Synthesized]
@@ -81,8 +123,30 @@ def test_synthesized_configuration_passes_parallelcluster_validation(
     env = synthesized[env_name]
     configuration = resolved_configuration(env)
     assert not re.search(r"\$\{|Fn::|\"Ref\"", repr(configuration))
-    findings = validate_cluster_config(configuration, cluster_name=env.config.cluster_name, region=env.config.region)
+    findings = validate_cluster_config(
+        configuration,
+        cluster_name=env.config.cluster_name,
+        region=env.config.region,
+        security_groups=security_groups_of(env.template),
+    )
     assert errors_of(findings) == []
+
+
+def test_efa_needs_the_cluster_group_open_to_itself_both_ways(default_env: Synthesized) -> None:
+    """ParallelCluster's EfaSecurityGroupValidator, fed the template's rules: without the group's outbound rule
+    to itself (an egress to 0.0.0.0/0 does not count) it rejects the cluster, as it would at create time."""
+    configuration = resolved_configuration(default_env)
+    groups = security_groups_of(default_env.template)
+    (cluster_group,) = configuration["Scheduling"]["SlurmQueues"][0]["Networking"]["SecurityGroups"]
+    outbound = groups[cluster_group]["IpPermissionsEgress"]
+    assert any(p["IpProtocol"] == "-1" and {"GroupId": cluster_group} in p["UserIdGroupPairs"] for p in outbound)
+    groups[cluster_group]["IpPermissionsEgress"] = [p for p in outbound if not p["UserIdGroupPairs"]]
+    findings = validate_cluster_config(
+        configuration, cluster_name="trn1-llama", region="us-west-2", security_groups=groups
+    )
+    assert [(f.validator, f.message[:32]) for f in errors_of(findings)] == [
+        ("EfaSecurityGroupValidator", "An EFA requires a security group")
+    ]
 
 
 def test_parallelcluster_validation_catches_a_broken_configuration(default_env: Synthesized) -> None:

@@ -18,7 +18,9 @@ Nothing in pcluster is patched. The AWS boundary is replaced instead:
   DescribeFileSystems with a Lustre file system for any ``FileSystemId``;
 * the list of supported regions, which pcluster downloads over HTTPS from S3, is served from the copy
   bundled in the package (pcluster's own fallback);
-* validators whose verdict depends on real account resources (security groups, IAM, S3 objects, key
+* DescribeSecurityGroups, when the caller passes the groups (``security_groups=``, built from the same
+  template), which runs the security-group validators for real;
+* validators whose verdict depends on real account resources (security groups unless given, IAM, S3 objects, key
   pairs, existing FSx networking, launch-template dry runs, ...) are switched off with pcluster's
   ``TypeMatchValidatorsSuppressor``; they are listed, with the reason, in ``SUPPRESSED_VALIDATORS``.
 
@@ -459,6 +461,10 @@ class SuppressedValidator(NamedTuple):
     reason: str
 
 
+# Suppressed unless the security groups are given (`security_groups=`, e.g. built from a synthesized template):
+# with them, DescribeSecurityGroups is answered and these run for real.
+SECURITY_GROUP_VALIDATORS = ("SecurityGroupsValidator", "EfaSecurityGroupValidator")
+
 # Validator type names as pcluster reports them (`Validator.type`, i.e. the class name).
 SUPPRESSED_VALIDATORS: tuple[SuppressedValidator, ...] = (
     SuppressedValidator("AdditionalIamPolicyValidator", "IAM GetPolicy: each AdditionalIamPolicies ARN must exist"),
@@ -610,9 +616,16 @@ def _official_images(region: str) -> list[dict[str, Any]]:
 class _OfflineAws:
     """In-process answers to the AWS API calls pcluster makes while loading and validating a config."""
 
-    def __init__(self, region: str, subnet_azs: Mapping[str, str], head_node_architecture: str) -> None:
+    def __init__(
+        self,
+        region: str,
+        subnet_azs: Mapping[str, str],
+        head_node_architecture: str,
+        security_groups: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         self.region = region
         self.subnet_azs = dict(subnet_azs)
+        self.security_groups = {key: dict(value) for key, value in (security_groups or {}).items()}
         self.head_node_architecture = head_node_architecture
         self.images = _official_images(region)
         self.calls: list[str] = []
@@ -624,6 +637,8 @@ class _OfflineAws:
             ("ec2", "DescribeSubnets"): self._describe_subnets,
             ("fsx", "DescribeFileSystems"): self._describe_file_systems,
         }
+        if security_groups is not None:
+            self._handlers[("ec2", "DescribeSecurityGroups")] = self._describe_security_groups
 
     # botocore event hooks ------------------------------------------------------------------------
 
@@ -738,6 +753,13 @@ class _OfflineAws:
             ],
             "Tags": [],
         }
+
+    def _describe_security_groups(self, params: dict) -> dict:
+        """The groups of the synthesized template, with their rules as EC2 reports them."""
+        missing = [group for group in params.get("GroupIds", []) if group not in self.security_groups]
+        if missing:
+            raise _AwsError("InvalidGroup.NotFound", f"The security group '{missing[0]}' does not exist")
+        return {"SecurityGroups": [copy.deepcopy(self.security_groups[g]) for g in params.get("GroupIds", [])]}
 
     def _describe_subnets(self, params: dict) -> dict:
         subnets = []
@@ -932,6 +954,7 @@ def run_offline_validation(
     cluster_name: str,
     region: str,
     subnet_azs: Mapping[str, str] | None = None,
+    security_groups: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> OfflineValidationReport:
     """Load `config` with the real pcluster schema and run its validators offline; report what ran.
 
@@ -947,8 +970,10 @@ def run_offline_validation(
         raise ValueError(f"config Region {config_region!r} differs from region {region!r}")
     azs = _assign_availability_zones(config, region)
     azs.update(subnet_azs or {})
-    fake = _OfflineAws(region, azs, _head_node_architecture(config))
+    fake = _OfflineAws(region, azs, _head_node_architecture(config), security_groups)
     suppressed_names = {entry.name for entry in SUPPRESSED_VALIDATORS}
+    if security_groups is not None:  # their inputs are given: these validators run for real
+        suppressed_names -= set(SECURITY_GROUP_VALIDATORS)
     tally = _ValidatorTally()
 
     with _offline_aws(fake):
@@ -984,6 +1009,7 @@ def validate_cluster_config(
     cluster_name: str,
     region: str,
     subnet_azs: Mapping[str, str] | None = None,
+    security_groups: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[ValidationFinding]:
     """Validate a ParallelCluster 3.16.1 cluster config offline; return every finding (ERROR/WARNING/INFO).
 
@@ -991,5 +1017,7 @@ def validate_cluster_config(
     then do not run); they are not raised. See ``run_offline_validation`` for the subnet/AZ model and the
     module docstring for what is stubbed and suppressed.
     """
-    report = run_offline_validation(config, cluster_name=cluster_name, region=region, subnet_azs=subnet_azs)
+    report = run_offline_validation(
+        config, cluster_name=cluster_name, region=region, subnet_azs=subnet_azs, security_groups=security_groups
+    )
     return list(report.findings)
