@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -163,12 +164,18 @@ def _iter_parquet(path: Path, column: str) -> Iterator[Any]:
 def _iter_hub(source: Source, *, column: str, split: str) -> Iterator[Any]:
     import datasets
 
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    # The hub client logs every failed request and retry; a failure is reported once, in the error below.
+    hub_log.setLevel(logging.ERROR)
     try:
         dataset = datasets.load_dataset(source.dataset, source.config, split=split, streaming=True)
     except Exception as error:  # the hub client raises many types; all mean "cannot open this dataset"
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         offline = " (no network access to the hub?)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
         raise UserError(f"--source {source.spec}: cannot load dataset split '{split}'{offline}: {first_line}") from None
+    finally:
+        hub_log.setLevel(level)
     names = list(dataset.features or {})
     if names and column not in names:
         raise UserError(f"--source {source.spec}: no column '{column}' (found: {', '.join(names)})")
