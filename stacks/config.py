@@ -206,6 +206,14 @@ def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, st
     facts = COMPUTE_INSTANCE_TYPES.get(compute.instance_type)
     if facts is None:
         bad("compute.instance_type", compute.instance_type, ", ".join(COMPUTE_INSTANCE_TYPES))
+    if compute.capacity_type == "CAPACITY_BLOCK":
+        # ParallelCluster needs the block's reservation id and MinCount = MaxCount > 0 for it, which this file
+        # cannot express yet: refused here rather than by ParallelCluster halfway through a deploy.
+        bad(
+            "compute.capacity_type",
+            compute.capacity_type,
+            "ONDEMAND or SPOT (a Capacity Block needs its reservation id, not yet supported)",
+        )
     if compute.min_count > compute.max_count:
         bad("compute.min_count", compute.min_count, f"at most compute.max_count ({compute.max_count})")
     if facts is None:

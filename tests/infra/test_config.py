@@ -177,6 +177,11 @@ RULES = {
         "environments-under-test/candidate.yaml: logging.retention_days: 10 is not allowed; allowed: one of "
         "[1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653]",
     ),
+    "capacity block without its reservation": (
+        {"compute.capacity_type": "CAPACITY_BLOCK"},
+        "environments-under-test/candidate.yaml: compute.capacity_type: 'CAPACITY_BLOCK' is not allowed; "
+        "allowed: ONDEMAND or SPOT (a Capacity Block needs its reservation id, not yet supported)",
+    ),
     "capacity type": (
         {"compute.capacity_type": "RESERVED"},
         "environments-under-test/candidate.yaml: compute.capacity_type: 'RESERVED' is not allowed; "

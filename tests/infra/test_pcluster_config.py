@@ -234,3 +234,17 @@ def test_cluster_installs_the_training_pins_only() -> None:
         normalized(pin) for pin in extras["training"]
     }
     assert developer_only and not installed & developer_only
+
+
+def test_parallelcluster_rejects_a_capacity_block_without_its_reservation(default_env: Synthesized) -> None:
+    """Why the environment file refuses `capacity_type: CAPACITY_BLOCK` for now: the configuration it would
+    produce is rejected by ParallelCluster's own validators."""
+    configuration = resolved_configuration(default_env)
+    configuration["Scheduling"]["SlurmQueues"][0]["CapacityType"] = "CAPACITY_BLOCK"
+    findings = validate_cluster_config(
+        configuration,
+        cluster_name="trn1-llama",
+        region="us-west-2",
+        security_groups=security_groups_of(default_env.template),
+    )
+    assert {f.validator for f in errors_of(findings)} == {"ComputeResourceSizeValidator", "CapacityTypeValidator"}
