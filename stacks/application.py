@@ -7,11 +7,10 @@ from pathlib import Path
 from aws_cdk import App, Validations
 from cdk_nag import AwsSolutionsChecks
 
-from stacks.config import EnvironmentConfig, load_environment
+from stacks.config import ENVIRONMENTS_DIR, EnvironmentConfig, load_environment
 from stacks.nag import acknowledge_reviewed_findings
 from stacks.training_environment import TrainingEnvironmentStack
 
-ENVIRONMENTS_DIR = Path(__file__).resolve().parent.parent / "environments"
 DEFAULT_ENVIRONMENT = "default"
 
 

@@ -41,10 +41,11 @@ REGION_PATTERN = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d+$")
 ENVIRONMENT_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,30}$")
 SCRATCH_2_SMALL_CAPACITY_GIB = 1200
 SCRATCH_2_CAPACITY_STEP_GIB = 2400
-CLOUDWATCH_RETENTION_DAYS = (
-    1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653,
-)  # fmt: skip
-CAPACITY_TYPES = ("ONDEMAND", "SPOT", "CAPACITY_BLOCK")
+# CloudWatch Logs' retention periods, once: the type of `logging.retention_days` and its allowed values.
+CloudWatchRetentionDays = Literal[
+    1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653
+]
+CLOUDWATCH_RETENTION_DAYS: tuple[int, ...] = typing.get_args(CloudWatchRetentionDays)
 ENVIRONMENTS_DIR = Path(__file__).resolve().parent.parent / "environments"
 SCHEMA_FILE = ENVIRONMENTS_DIR / "environment.schema.json"
 
@@ -53,10 +54,7 @@ RootVolumeGib = Annotated[
     Field(strict=True, ge=40, le=16384),
     Allowed("40 to 16384 GiB (Neuron recommends at least 512 on compute nodes)"),
 ]
-RetentionDays = Annotated[
-    Literal[1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653],
-    Allowed(f"one of {list(CLOUDWATCH_RETENTION_DAYS)}"),
-]
+RetentionDays = Annotated[CloudWatchRetentionDays, Allowed(f"one of {list(CLOUDWATCH_RETENTION_DAYS)}")]
 
 
 class NetworkConfig(StrictModel):
