@@ -34,10 +34,22 @@ ACKNOWLEDGEMENTS = (
         Acknowledgement(
             policy,
             OBJECTS_OF_RESULTS_BUCKET,
-            "Nodes read (and the head node writes) training data, checkpoints and results under run-specific "
-            "keys of this environment's own results bucket; keys are not known at deploy time.",
+            "Nodes read training data, checkpoints and results under run-specific keys of this environment's "
+            "own results bucket; keys are not known at deploy time.",
         )
         for policy in ("Cluster/HeadNodePolicy", "Cluster/ComputeNodePolicy")
+    ),
+    Acknowledgement(
+        "Cluster/HeadNodePolicy",
+        "AwsSolutions-IAM5[Resource::<StorageResultsB2A4FB2E.Arn>/pipeline/ssm-output/*]",
+        "SSM writes the output of this environment's pipeline commands with the head node's role, under one prefix; "
+        "the command ids in the keys are not known at deploy time.",
+    ),
+    Acknowledgement(
+        "Cluster/ComputeNodePolicy",
+        "AwsSolutions-IAM5[Resource::<StorageResultsB2A4FB2E.Arn>/results/*]",
+        "The export stage writes each run's results under results/<run id>/ of this environment's bucket; run ids are "
+        "not known at deploy time.",
     ),
     *(
         Acknowledgement(

@@ -13,6 +13,9 @@ from stacks.config import EnvironmentConfig
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES
 from training.config.site import Site
 
+# Where ParallelCluster installs Slurm; only login shells get it on PATH (/etc/profile.d/slurm.sh).
+PARALLELCLUSTER_SLURM_BIN = "/opt/slurm/bin"
+
 
 def shared_env_path(config: EnvironmentConfig, neuron_release: str) -> str:
     """The shared Python environment the head node's bootstrap builds on the file system."""
@@ -29,6 +32,7 @@ def site_settings(config: EnvironmentConfig, *, neuron_release: str, results_uri
         results=results_uri,
         python=f"{shared_env_path(config, neuron_release)}/bin/python",
         setup=(),
+        slurm_bin=PARALLELCLUSTER_SLURM_BIN,
         partition=config.compute.queue_name,
         processes_per_node=facts.neuron_cores,
         exclusive=True,

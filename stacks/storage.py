@@ -77,13 +77,20 @@ class Storage(Construct):
     # Access to storage, as statements the stack hands to the constructs that need it (like a Lambda
     # function's `initial_policy`), so they lead the principal's policy.
 
-    def results_access(self, *, write: bool) -> list[iam.PolicyStatement]:
-        """List the results bucket and read its objects; with `write`, also put and delete them."""
-        object_actions = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"] if write else ["s3:GetObject"]
-        return [
+    def results_access(self, *, write_prefixes: tuple[str, ...] = ()) -> list[iam.PolicyStatement]:
+        """List the results bucket and read its objects; put and delete objects under `write_prefixes` only."""
+        statements = [
             iam.PolicyStatement(actions=["s3:ListBucket"], resources=[self.bucket.bucket_arn]),
-            iam.PolicyStatement(actions=object_actions, resources=[self.bucket.arn_for_objects("*")]),
+            iam.PolicyStatement(actions=["s3:GetObject"], resources=[self.bucket.arn_for_objects("*")]),
         ]
+        if write_prefixes:
+            statements.append(
+                iam.PolicyStatement(
+                    actions=["s3:PutObject", "s3:DeleteObject"],
+                    resources=[self.bucket.arn_for_objects(f"{prefix}*") for prefix in write_prefixes],
+                )
+            )
+        return statements
 
     def results_read_access(self, prefix: str) -> list[iam.PolicyStatement]:
         """Read the results bucket's objects under `prefix` only."""

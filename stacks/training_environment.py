@@ -17,6 +17,9 @@ from stacks.pipeline import SSM_OUTPUT_PREFIX, Pipeline
 from stacks.pipeline_site import shared_env_path, site_settings
 from stacks.storage import Storage
 
+# Where the export stage writes each run's results in the bucket.
+RESULTS_PREFIX = "results"
+
 
 def cluster_settings(config: EnvironmentConfig) -> ClusterSettings:
     """The environment's settings that the ParallelCluster configuration uses."""
@@ -83,9 +86,10 @@ class TrainingEnvironmentStack(Stack):
             compute_subnet=self.network.private_subnet,
             security_group=self.network.cluster_security_group,
             file_system=self.storage.file_system,
-            # The head node reads and writes results; compute nodes read them.
-            head_node_access=self.storage.results_access(write=True),
-            compute_node_access=self.storage.results_access(write=False),
+            # Nodes read the bucket. The head node writes the SSM command output the pipeline reads back;
+            # compute nodes write results: the export stage runs there.
+            head_node_access=self.storage.results_access(write_prefixes=(SSM_OUTPUT_PREFIX,)),
+            compute_node_access=self.storage.results_access(write_prefixes=(f"{RESULTS_PREFIX}/",)),
         )
 
         head_node = self.cluster.head_node_instance_id
@@ -97,7 +101,7 @@ class TrainingEnvironmentStack(Stack):
             cluster_name=config.cluster_name,
             pipeline=config.pipeline,
             site_settings=site_settings(
-                config, neuron_release=neuron_release, results_uri=f"s3://{bucket.bucket_name}/results"
+                config, neuron_release=neuron_release, results_uri=f"s3://{bucket.bucket_name}/{RESULTS_PREFIX}"
             ),
             log_retention_days=retention_days,
             bucket=bucket,

@@ -10,7 +10,6 @@ against a fake `aws` command and a fake `training` package.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -21,7 +20,6 @@ import zipfile
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import boto3
@@ -30,11 +28,11 @@ from botocore.response import StreamingBody
 from botocore.stub import Stubber
 from moto import mock_aws
 
+from tests.support.parallelcluster_shell import load_pipeline_handler
 from training.cli import build_parser
 from training.pipeline.runs import RUN_ID
 
 ROOT = Path(__file__).resolve().parents[2]
-HANDLER_FILE = ROOT / "assets" / "lambda" / "pipeline_trigger" / "handler.py"
 BASH = shutil.which("bash") or "/bin/bash"
 REGION = "us-west-2"
 NOW = 1_750_000_000.0
@@ -48,6 +46,7 @@ SITE = {
     "results": "s3://results-bucket/results",
     "python": "/fsx/envs/neuron-2.28.1/bin/python",
     "setup": [],
+    "slurm_bin": "/opt/slurm/bin",
     "partition": "compute1",
     "processes_per_node": 32,
     "exclusive": True,
@@ -72,22 +71,7 @@ RUN_RECORD = {
 JOB_IDS = "prepare=7,convert-in=8,compile=19,train=20,convert-out=21,sample=22,export=23"
 
 
-def load_handler() -> ModuleType:
-    """The asset is not a package (`lambda` is a keyword): load the file the Lambda runtime loads."""
-    spec = importlib.util.spec_from_file_location("pipeline_trigger_handler", HANDLER_FILE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    # No __pycache__ next to the handler: it would ship in the Lambda asset and change its hash.
-    writes, sys.dont_write_bytecode = sys.dont_write_bytecode, True
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.dont_write_bytecode = writes
-    return module
-
-
-handler = load_handler()
+handler = load_pipeline_handler()
 
 
 # --- Events and clients -----------------------------------------------------------------------------------
@@ -682,7 +666,7 @@ def test_delete_with_a_live_head_node_cancels_then_exports(
     assert command["Parameters"]["commands"] == cancel.splitlines()
     assert f"run_id={run_id}" in cancel.splitlines()
     assert (
-        '  PYTHONPATH="$source_dir" "$python" -m training cancel --run-id "$run_id" --site "$site_file" || true'
+        '  PYTHONPATH="$source_dir" exec "$python" -m training cancel --run-id "$run_id" --site "$site_file"'
         in cancel.splitlines()
     )
     state = poll_event(event, result)
@@ -719,6 +703,31 @@ def test_delete_with_a_live_head_node_cancels_then_exports(
     assert handler.is_complete(state, None, clients=clients(ssm=moto_ssm, fsx=fsx), now=lambda: NOW + 90) == {
         "IsComplete": True
     }
+
+
+def test_delete_whose_cancel_fails_stops_with_the_reason_and_exports_nothing(
+    stubbers: Callable[[str], tuple[Any, Stubber]],
+) -> None:
+    """Exporting and deleting the cluster under jobs that could not be cancelled would hide it: the Delete fails."""
+    event = cfn_event("Delete", properties())
+    state = poll_event(
+        event,
+        {
+            "PhysicalResourceId": "pipeline-trn1-llama",
+            "Data": handler.data(run_id="r1", command=COMMAND, phase="cancel", started=NOW),
+        },
+    )
+    ssm, ssm_stubber = stubbers("ssm")
+    failed = invocation(COMMAND, "Failed", stderr="error: scancel failed: Access/permission denied", code=2)
+    ssm_stubber.add_response("get_command_invocation", failed, {"CommandId": COMMAND, "InstanceId": HEAD_NODE})
+
+    with pytest.raises(RuntimeError) as raised:
+        handler.is_complete(state, None, clients=clients(ssm=ssm, s3=None), now=lambda: NOW + 30)  # no fsx client
+
+    reason = str(raised.value)
+    assert reason.startswith(f"cancel command {COMMAND} of run r1 on head node {HEAD_NODE} Failed (exit 2): ")
+    assert "error: scancel failed: Access/permission denied" in reason
+    assert "python -m training cancel --run-id r1" in reason and "\n" not in reason
 
 
 @pytest.mark.parametrize(
@@ -972,7 +981,9 @@ def test_submit_script_fails_with_the_cli_error(head_node: dict[str, Any]) -> No
     )
 
 
-def test_cancel_script_never_fails(head_node: dict[str, Any]) -> None:
+def test_cancel_script_cancels_nothing_before_a_submission_and_fails_with_the_cli_error(
+    head_node: dict[str, Any],
+) -> None:
     props = handler.parse_properties(head_node["props"])
     run_id = handler.run_id_of(props)
     cancel = handler.cancel_script(props, run_id)
@@ -981,8 +992,9 @@ def test_cancel_script_never_fails(head_node: dict[str, Any]) -> None:
     assert nothing.returncode == 0 and "nothing to cancel" in nothing.stdout
 
     assert run_bash(handler.submit_script(props, run_id), head_node["env"], head_node["tmp"]).returncode == 0
-    finished = run_bash(cancel, head_node["env"], head_node["tmp"])  # `training cancel` exits 2: still fine
-    assert finished.returncode == 0, finished.stderr
+    failed = run_bash(cancel, head_node["env"], head_node["tmp"])  # the stand-in's `training cancel` exits 2
+    assert failed.returncode == 2
+    assert handler.output_tail(failed.stdout, failed.stderr).endswith("error: scancel failed: Invalid job id specified")
     calls = [json.loads(line) for line in (head_node["mount"] / "runs" / "calls.jsonl").read_text().splitlines()]
     assert calls[-1] == [
         "cancel",

@@ -273,15 +273,17 @@ def grants(policy: dict[str, Any]) -> set[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize(
-    ("which", "object_actions"),
-    [("Head", {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"}), ("Compute", {"s3:GetObject"})],
+    ("which", "write_prefix"),
+    # The head node writes the SSM output the pipeline reads back; compute nodes run the export stage.
+    [("Head", "pipeline/ssm-output/"), ("Compute", "results/")],
 )
-def test_node_policies_are_scoped_to_the_bucket(default_env: Synthesized, which: str, object_actions: set[str]) -> None:
+def test_node_policies_are_scoped_to_the_bucket(default_env: Synthesized, which: str, write_prefix: str) -> None:
     policy = node_policy(default_env, which)
     # ParallelCluster's provider may attach only policies under /parallelcluster/.
     assert policy["Path"] == "/parallelcluster/"
     bucket = {"Fn::GetAtt": [logical_id(default_env, "AWS::S3::Bucket"), "Arn"]}
     objects = {"Fn::Join": ["", [bucket, "/*"]]}
+    writable = json.dumps({"Fn::Join": ["", [bucket, f"/{write_prefix}*"]]}, sort_keys=True)
     script = cluster_configuration(default_env)["HeadNode"]["CustomActions"]["OnNodeConfigured"]["Script"]["Fn::Sub"]
     script_arn = {
         "Fn::Sub": [
@@ -295,10 +297,26 @@ def test_node_policies_are_scoped_to_the_bucket(default_env: Synthesized, which:
     namespace = json.dumps({"StringEquals": {"cloudwatch:namespace": "Trainium/default"}}, sort_keys=True)
     assert grants(policy) == {
         ("s3:ListBucket", json.dumps(bucket, sort_keys=True), "null"),
-        *((action, json.dumps(objects, sort_keys=True), "null") for action in object_actions),
+        ("s3:GetObject", json.dumps(objects, sort_keys=True), "null"),
+        ("s3:PutObject", writable, "null"),
+        ("s3:DeleteObject", writable, "null"),
         ("s3:GetObject", json.dumps(script_arn, sort_keys=True), "null"),
         ("cloudwatch:PutMetricData", json.dumps("*"), namespace),
     }
+
+
+def test_the_export_stage_writes_where_compute_nodes_may(default_env: Synthesized) -> None:
+    """The export stage runs on a compute node: its destination must be under the compute write prefix."""
+    pipeline = default_env.resources_of_type("Custom::TrainingPipeline")
+    (properties,) = (p["Properties"] for p in pipeline.values())
+    site_json = properties["SiteSettings"]["Fn::Join"][1]
+    results = next(part for part in site_json if isinstance(part, str) and '"results":"s3://' in part)
+    assert results.endswith('"results":"s3://')
+    following = site_json[site_json.index(results) + 2]
+    assert following.startswith('/results",'), following  # s3://<bucket>/results
+    bucket = {"Fn::GetAtt": [logical_id(default_env, "AWS::S3::Bucket"), "Arn"]}
+    results_objects = json.dumps({"Fn::Join": ["", [bucket, "/results/*"]]}, sort_keys=True)
+    assert ("s3:PutObject", results_objects, "null") in grants(node_policy(default_env, "Compute"))
 
 
 def test_each_node_role_gets_its_own_policy(default_env: Synthesized) -> None:

@@ -1,12 +1,15 @@
-"""The whole pipeline on the real local Slurm, with the job scripts the cluster runs: both tiny recipes end to
-end, training over 2 nodes, a killed training job requeued and resumed to the same weights, a failing stage
-that cancels its dependants and a failed run resumed by resubmitting it."""
+"""The whole pipeline on the real local Slurm, with the job scripts the cluster runs, under ParallelCluster's
+shell conditions (tests/support/parallelcluster_shell.py: Slurm only under the site's prefix, Python only by
+its path): both tiny recipes end to end, submitted by the pipeline custom resource's SSM script, training over
+2 nodes, a killed training job requeued and resumed to the same weights, a failing stage that cancels its
+dependants, a failed run resumed by resubmitting it, and a run cancelled by the custom resource's script."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,19 +18,34 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.support.parallelcluster_shell import (
+    load_pipeline_handler,
+    non_login_environment,
+    parallelcluster_path,
+    run_script,
+)
 from training.config.site import Site
 from training.local.tiny import make_tiny_sources
 from training.pipeline import runs
 from training.train.loop import KILL_AT_STEP
 
 TIMEOUT = 600
+ROOT = Path(__file__).resolve().parents[2]
+handler = load_pipeline_handler()
 
 
 @pytest.fixture(scope="module")
-def slurm(local_slurm: Any) -> Iterator[Any]:
-    """The session's local Slurm, its config in this process's environment for sbatch/scontrol."""
+def node_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return parallelcluster_path(tmp_path_factory.mktemp("node-bin"))
+
+
+@pytest.fixture(scope="module")
+def slurm(local_slurm: Any, node_path: str) -> Iterator[Any]:
+    """The session's local Slurm; this process (and so every job it submits) sees no Slurm and no Python on
+    PATH and no SLURM_CONF, as on a ParallelCluster node: only the site's `slurm_bin` reaches Slurm."""
     saved = dict(os.environ)
-    os.environ.update(local_slurm.env)
+    os.environ["PATH"] = node_path
+    os.environ.pop("SLURM_CONF", None)
     yield local_slurm
     os.environ.clear()
     os.environ.update(saved)
@@ -60,18 +78,80 @@ def model_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
-    root = tmp_path_factory.mktemp("pipeline")
-    return Site(runs_root=str(root / "runs"), results=str(root / "results"))
+def mount(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared file system's mount point; the source the custom resource would fetch is already on it."""
+    root = tmp_path_factory.mktemp("fsx")
+    (root / "pipeline").mkdir()
+    (root / "pipeline" / f"source-{SOURCE_HASH}").symlink_to(ROOT, target_is_directory=True)
+    return root
+
+
+SOURCE_HASH = "0123abcd"
 
 
 @pytest.fixture(scope="module")
-def reference_runs(slurm: Any, sources: dict[str, dict[str, Path]], site: Site) -> dict[str, Path]:
-    """Both tiny recipes (10 steps, checkpoints every 5), submitted together and run to the end."""
-    submitted = {
-        "llama": run("tiny-llama-cpt", sources["llama"], site, "llama", "steps=10", "checkpoint.every=5"),
-        "mixtral": run("tiny-mixtral-sft", sources["mixtral"], site, "mixtral", "steps=10", "checkpoint.every=5"),
-    }
+def site(slurm: Any, mount: Path) -> Site:
+    return Site(
+        runs_root=str(mount / "runs"),
+        results=str(mount.parent / f"{mount.name}-results"),
+        python=sys.executable,
+        slurm_bin=str(slurm.bin_dir),
+    )
+
+
+def custom_resource_properties(site: Site, mount: Path, recipe: str, recipe_overrides: list[str], run: int = 1) -> Any:
+    """The pipeline custom resource's properties for this machine's "cluster"."""
+    return handler.parse_properties(
+        {
+            "HeadNodeInstanceId": "i-0123456789abcdef0",
+            "ClusterName": "local",
+            "StartRun": "true",
+            "Recipe": recipe,
+            "RecipeOverrides": recipe_overrides,
+            "SourceBucket": "results-bucket",
+            "SourceKey": f"pipeline/source/{SOURCE_HASH}/",
+            "SourceHash": SOURCE_HASH,
+            "SiteSettings": json.dumps(site.model_dump(mode="json")),
+            "FileSystemId": "fs-0123456789abcdef0",
+            "FileSystemMountDir": str(mount),
+            "OutputBucket": "results-bucket",
+            "OutputPrefix": "pipeline/ssm-output/",
+            "TimeoutSeconds": "600",
+            "EnvironmentName": "local",
+        }
+    )
+
+
+def head_node_script(script: str, node_path: str, tmp_path: Path) -> Any:
+    """Run an SSM script on the "head node": a non-login shell with no Slurm and no Python on PATH."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return run_script(script, non_login_environment(node_path, home), cwd=home)
+
+
+@pytest.fixture(scope="module")
+def reference_runs(
+    slurm: Any,
+    sources: dict[str, dict[str, Path]],
+    site: Site,
+    mount: Path,
+    node_path: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Path]:
+    """Both tiny recipes (10 steps, checkpoints every 5), submitted together by the custom resource's SSM
+    script and run to the end."""
+    submitted = {}
+    for name, recipe in (("llama", "tiny-llama-cpt"), ("mixtral", "tiny-mixtral-sft")):
+        props = custom_resource_properties(
+            site, mount, recipe, overrides(sources[name], "steps=10", "checkpoint.every=5")
+        )
+        done = head_node_script(
+            handler.submit_script(props, name), node_path, tmp_path_factory.mktemp(f"submit-{name}")
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        record = handler.parse_run_line(done.stdout)
+        assert record is not None and record["run_id"] == name, done.stdout
+        submitted[name] = Path(site.runs_root) / name
     # Submitting a run that is queued or running does nothing.
     again = runs.submit(
         "tiny-llama-cpt",
@@ -105,7 +185,7 @@ def test_training_over_two_nodes_matches_one_node(
     reference_runs: dict[str, Path], sources: dict[str, dict[str, Path]], site: Site
 ) -> None:
     """2 nodes x 1 process at TP 2: one TP group across two nodes, the same math as one node."""
-    two_nodes = Site(**{**site.__dict__, "processes_per_node": 1})
+    two_nodes = site.model_copy(update={"processes_per_node": 1})
     run_dir = run(
         "tiny-llama-cpt", sources["llama"], two_nodes, "llama-2-nodes", "steps=10", "checkpoint.every=5", "nodes=2"
     )
@@ -132,7 +212,7 @@ def test_killed_training_job_is_requeued_and_ends_with_identical_weights(
         del os.environ[KILL_AT_STEP]
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
     job = json.loads((run_dir / "run.json").read_text())["submissions"][0]["jobs"]["train"]
-    assert runs.job_info(job).get("Restarts") == "1"
+    assert runs.job_info(job, site.slurm_bin).get("Restarts") == "1"
     log = (run_dir / "logs" / f"train-{job}.out").read_text()
     assert "fault injection: rank 0 kills itself after step 7" in log and "requeued to resume" in log
     assert "resumed from step 5" in log
@@ -164,24 +244,46 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
 
 
-def test_cancel_stops_every_job_of_the_run(
+def test_custom_resource_cancel_stops_every_job_of_the_run(
     slurm: Any,
     sources: dict[str, dict[str, Path]],
     site: Site,
+    mount: Path,
+    node_path: str,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The Delete's cancel script, on the "head node": it cancels what is queued or running; cancelling again,
+    with nothing left to cancel, succeeds too (a finished run must not block the Delete)."""
     from training.cli import main
 
-    site_file = tmp_path / "site.yaml"
-    site_file.write_text(f"runs_root: {site.runs_root}\nresults: {site.results}\n")
-    run_dir = run("tiny-llama-cpt", sources["llama"], site, "llama-cancelled", "steps=4", "checkpoint.every=2")
-    assert main(["cancel", "--run-id", "llama-cancelled", "--site", str(site_file)]) == 0
+    props = custom_resource_properties(
+        site, mount, "tiny-llama-cpt", overrides(sources["llama"], "steps=4", "checkpoint.every=2")
+    )
+    submitted = head_node_script(handler.submit_script(props, "llama-cancelled"), node_path, tmp_path)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    run_dir = Path(site.runs_root) / "llama-cancelled"
+
+    cancelled = head_node_script(handler.cancel_script(props, "llama-cancelled"), node_path, tmp_path)
+
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
     jobs = json.loads((run_dir / "run.json").read_text())["submissions"][0]["jobs"]
-    assert f"cancelled jobs {', '.join(sorted(jobs.values(), key=int))}" in capsys.readouterr().out
+    assert f"cancelled jobs {', '.join(sorted(jobs.values(), key=int))}" in cancelled.stdout
     final = states(run_dir)
     assert final["train"] == "CANCELLED" and not set(final.values()) & runs.ACTIVE_STATES
+    again = head_node_script(handler.cancel_script(props, "llama-cancelled"), node_path, tmp_path)
+    assert again.returncode == 0 and "cancelled jobs (none active)" in again.stdout, again.stderr
+    site_file = mount / "pipeline" / "site-local.yaml"
     monkeypatch.setenv("TRAINING_SITE", str(site_file))  # instead of --site
     assert main(["status", "--run-id", "llama-cancelled"]) == 1
     assert "CANCELLED" in capsys.readouterr().out
+
+
+def test_a_slurm_command_outside_the_site_prefix_is_not_found(site: Site, slurm: Any) -> None:
+    """The conditions above are real: without the prefix, this process cannot reach Slurm."""
+    assert shutil.which("sbatch") is None and shutil.which("python3") is None
+    with pytest.raises(runs.UserError, match="sbatch: not found on PATH"):
+        runs.submit(
+            "tiny-llama-cpt", [], run_id="no-slurm", site=site.model_copy(update={"slurm_bin": None}), dry_run=False
+        )

@@ -4,6 +4,7 @@ shellcheck, and equal to the reviewed snapshots (`UPDATE_SNAPSHOTS=1` rewrites t
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -58,9 +59,15 @@ def test_cluster_scripts_carry_the_cluster_settings() -> None:
         assert "gpu" not in text.lower() and "cuda" not in text.lower() and "nccl" not in text.lower()
     assert "#SBATCH --nodes=4\n" in scripts["train"] and "#SBATCH --requeue\n" in scripts["train"]
     assert "--nproc_per_node 32" in scripts["train"] and '--node_rank "${SLURM_NODEID}"' in scripts["train"]
-    assert "neuron_parallel_compile /fsx/envs/neuron-" in scripts["compile"]
+    assert "'/fsx/envs/neuron-2.28.1/bin/neuron_parallel_compile /fsx/envs/neuron-" in scripts["compile"]
     assert "--compile'" in scripts["compile"] and "--resume'" in scripts["train"]
-    assert "scontrol show hostnames" in scripts["train"]
+    assert "/opt/slurm/bin/scontrol show hostnames" in scripts["train"]
+    for stage, text in scripts.items():  # non-login shells on the cluster have neither on PATH
+        commands = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+        bare = re.findall(
+            r"(?<![/\w-])(sbatch|srun|scontrol|scancel|squeue|neuron_parallel_compile|python3?) ", commands
+        )
+        assert not bare, f"{stage} runs {bare} from PATH"
     assert "--tp 32 \\\n    --kv-size-multiplier 4 \\\n    --xser" in scripts["convert-in"]
     assert "--run-dir /fsx/runs/RUN-ID --output s3://RESULTS-BUCKET/results/RUN-ID\n" in scripts["export"]
     assert "--input /fsx/runs/RUN-ID/hf --output /fsx/runs/RUN-ID/samples.json\n" in scripts["sample"]

@@ -21,6 +21,9 @@ class Site(StrictModel):
     )
     python: Str | None = Field(None, description="interpreter on the nodes (default: the one running `submit`)")
     setup: tuple[Str, ...] = Field((), description="shell lines run first in every job")
+    slurm_bin: Str | None = Field(
+        None, description="directory of Slurm's commands (ParallelCluster: /opt/slurm/bin); default: found on PATH"
+    )
     partition: Str | None = None
     processes_per_node: PositiveInt | None = Field(None, description="default: the recipe's tp (one TP group a node)")
     exclusive: Bool = False

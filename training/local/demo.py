@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -62,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         setup_logging()
-        site = Site(runs_root="work/runs", results="work/results")
         for architecture, root in RECIPES.values():
             log.info(f"making {root}: tokenizer, random {architecture} model, data source")
             make_tiny_sources(Path(root), architecture)
         slurm = start(Path(".local-slurm"), nodes=arguments.nodes)
-        os.environ.update(slurm.env)
+        # Slurm by its prefix, as on ParallelCluster (/opt/slurm/bin), not on PATH.
+        site = Site(runs_root="work/runs", results="work/results", slurm_bin=str(slurm.bin_dir))
         try:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
             started = time.monotonic()

@@ -2,9 +2,10 @@
 
 One `slurmctld` and N `slurmd` (nodes `node1..nodeN`, all on 127.0.0.1 with their own ports) run detached
 from a state directory that holds the generated `slurm.conf`, the controller state, the spool, the logs and
-the daemons' PIDs. Clients (sbatch, squeue, scontrol, ...) find the cluster through `SLURM_CONF`, so the
-system's Slurm configuration, if any, is never read or changed. It lets the pipeline's real job scripts
-(dependencies, requeue, multi-node srun) run locally exactly as they do on ParallelCluster.
+the daemons' PIDs. Like ParallelCluster's `/opt/slurm/bin`, the state directory's `bin/` holds the client
+commands (sbatch, squeue, scontrol, ...), each bound to this cluster's `slurm.conf`; the system's Slurm
+configuration, if any, is never read or changed, and nothing needs Slurm on PATH. It lets the pipeline's
+real job scripts (dependencies, requeue, multi-node srun) run locally exactly as they do on ParallelCluster.
 
     python -m training.local.slurm up|down|status [--state-dir DIR] [--nodes N]
 """
@@ -34,6 +35,8 @@ DEFAULT_NODES = 3
 PARTITION = "local"
 REAL_MEMORY_MB = 1024  # small on purpose: memory is not a consumable resource here (CR_CPU), as on ParallelCluster
 PACKAGES = ("slurmctld", "slurmd", "slurm-client")
+# The client commands of Debian's slurm-client package that the `bin/` prefix offers.
+CLIENT_COMMANDS = ("sacct", "salloc", "sattach", "sbatch", "sbcast", "scancel", "scontrol", "sinfo", "squeue", "srun")
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.05
@@ -208,6 +211,24 @@ def render_config(state_dir: Path, nodes: int, ports: Sequence[int], cpus: int) 
     )
 
 
+def write_client_prefix(state_dir: Path) -> Path:
+    """`state_dir/bin`: one wrapper per client command that runs the system's command on this cluster.
+
+    The site settings name this directory as `slurm_bin`, as they name `/opt/slurm/bin` on ParallelCluster.
+    """
+    bin_dir = state_dir / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    conf = (state_dir / "slurm.conf").resolve()
+    for command in CLIENT_COMMANDS:
+        system = _which(command)
+        if system is None:
+            raise UserError(f"{command}: not installed (Debian package slurm-client)")
+        wrapper = bin_dir / command
+        wrapper.write_text(f'#!/bin/sh\nSLURM_CONF={conf} exec {system} "$@"\n')
+        wrapper.chmod(0o755)
+    return bin_dir
+
+
 def slurm_env(state_dir: Path) -> dict[str, str]:
     """What to merge into os.environ so Slurm clients talk to the cluster of state_dir."""
     return {"SLURM_CONF": str((state_dir / "slurm.conf").resolve())}
@@ -233,6 +254,11 @@ class LocalSlurm:
     @property
     def env(self) -> dict[str, str]:
         return slurm_env(self.state_dir)
+
+    @property
+    def bin_dir(self) -> Path:
+        """The client commands' prefix (the site's `slurm_bin`)."""
+        return self.state_dir / "bin"
 
     def run(
         self, *args: str, check: bool = True, timeout: float = 30.0, input: str | None = None
@@ -402,6 +428,7 @@ def start(
                 f"local Slurm in {state_dir} already runs with {len(existing.nodes)} nodes, not {nodes}: "
                 "run `down` first to change the node count"
             )
+        write_client_prefix(state_dir)  # a cluster started by an older version has none
         return existing
     if existing is not None:  # partly dead (a daemon crashed or was killed): stop the rest, start afresh
         existing.stop()
@@ -412,6 +439,7 @@ def start(
         (state_dir / "spool" / node).mkdir(exist_ok=True)
     conf = state_dir / "slurm.conf"
     conf.write_text(render_config(state_dir, nodes, _free_ports(nodes + 1), len(os.sched_getaffinity(0))))
+    write_client_prefix(state_dir)
     env = {**os.environ, **slurm_env(state_dir)}
     commands = {"slurmctld": [_which("slurmctld") or "slurmctld", "-D", "-f", str(conf)]}
     for node in _node_names(nodes):

@@ -158,11 +158,15 @@ def render(plan: RunPlan) -> dict[str, str]:
             "efa": site.efa,
             "compile_cache": site.compile_cache,
             "python": _python(site),
+            "python_bin": os.path.dirname(_python(site)),
+            "slurm": slurm_prefix(site.slurm_bin),
         }
         if stage.distributed:
             context |= {
                 "processes_per_node": site.processes_per_node or recipe.parallelism.tp,
-                "launcher": "neuron_parallel_compile " if stage.name == "compile" and site.neuron else "",
+                "launcher": f"{os.path.dirname(_python(site))}/neuron_parallel_compile "
+                if stage.name == "compile" and site.neuron
+                else "",
                 "train_arguments": "--compile" if stage.name == "compile" else "--resume",
                 "max_restarts": site.max_restarts,
             }
@@ -176,19 +180,30 @@ def render(plan: RunPlan) -> dict[str, str]:
 # --- Slurm ----------------------------------------------------------------------------------------------
 
 
-def _slurm(*command: str) -> str:
+def slurm_prefix(slurm_bin: str | None) -> str:
+    """What goes before a Slurm command's name: its directory, or nothing to find it on PATH."""
+    return f"{slurm_bin.rstrip('/')}/" if slurm_bin else ""
+
+
+def _run_slurm(slurm_bin: str | None, *command: str) -> subprocess.CompletedProcess[str]:
+    executable = slurm_prefix(slurm_bin) + command[0]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        return subprocess.run([executable, *command[1:]], capture_output=True, text=True, check=False)
     except FileNotFoundError:
-        raise UserError(f"{command[0]}: not found; run on a Slurm head node (or start the local Slurm)") from None
+        where = f"in slurm_bin {slurm_bin}" if slurm_bin else "on PATH (set slurm_bin in the site file)"
+        raise UserError(f"{command[0]}: not found {where}; run on a Slurm head node or start the local Slurm") from None
+
+
+def _slurm(slurm_bin: str | None, *command: str) -> str:
+    result = _run_slurm(slurm_bin, *command)
     if result.returncode:
         raise UserError(f"{' '.join(command[:2])} failed: {result.stderr.strip() or result.stdout.strip()}")
     return result.stdout
 
 
-def job_info(job_id: str) -> dict[str, str]:
+def job_info(job_id: str, slurm_bin: str | None = None) -> dict[str, str]:
     """`scontrol show job -o` as a dict; empty when Slurm no longer knows the job."""
-    result = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False)
+    result = _run_slurm(slurm_bin, "scontrol", "show", "job", "-o", job_id)
     if result.returncode or not result.stdout.strip():
         return {}
     fields: dict[str, str] = {}
@@ -196,6 +211,11 @@ def job_info(job_id: str) -> dict[str, str]:
         key, _, value = token.partition("=")
         fields.setdefault(key, value)
     return fields
+
+
+def run_slurm_bin(run: dict[str, Any]) -> str | None:
+    """Where the Slurm that runs a recorded run keeps its commands (the submitting site's)."""
+    return (run.get("site") or {}).get("slurm_bin")
 
 
 def read_run(run_dir: Path) -> dict[str, Any]:
@@ -229,7 +249,11 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
                 f"run {plan.run_id} was submitted with other settings; submit with a new --run-id "
                 f"(or the same recipe and overrides to resume it)"
             )
-        active = {s: j for s, j in latest_jobs(previous).items() if job_info(j).get("JobState") in ACTIVE_STATES}
+        active = {
+            s: j
+            for s, j in latest_jobs(previous).items()
+            if job_info(j, site.slurm_bin).get("JobState") in ACTIVE_STATES
+        }
         if active:
             print(f"run {plan.run_id} is queued or running (jobs {', '.join(active.values())}); nothing submitted")
             return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": active, "submitted": False}
@@ -248,7 +272,7 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
         command = ["sbatch", "--parsable"] + (
             [f"--dependency=afterok:{':'.join(dependencies)}"] if dependencies else []
         )
-        jobs[stage.name] = _slurm(*command, str(script)).strip().split(";")[0]
+        jobs[stage.name] = _slurm(site.slurm_bin, *command, str(script)).strip().split(";")[0]
     run = previous or {
         "run_id": plan.run_id,
         "recipe": recipe.name,
@@ -283,7 +307,7 @@ def stage_states(run_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for stage in run["stages"]:
         job = jobs.get(stage, "")
-        info = job_info(job) if job else {}
+        info = job_info(job, run_slurm_bin(run)) if job else {}
         done = (run_dir / "state" / f"{stage}.done").exists()
         state = info.get("JobState") or ("COMPLETED" if done else "UNKNOWN")
         row: dict[str, Any] = {"stage": stage, "job": job, "state": state, "elapsed": info.get("RunTime", "")}
@@ -317,11 +341,17 @@ def print_status(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def cancel(run_dir: Path) -> list[str]:
+    """Cancel the run's queued and running jobs; a failed scancel is an error, never ignored.
+
+    Jobs Slurm has finished or forgotten are left out: scancel fails on an id it no longer knows.
+    """
     run = read_run(run_dir)
-    jobs = sorted({j for submission in run["submissions"] for j in submission["jobs"].values()}, key=int)
+    slurm_bin = run_slurm_bin(run)
+    every = sorted({j for submission in run["submissions"] for j in submission["jobs"].values()}, key=int)
+    jobs = [job for job in every if job_info(job, slurm_bin).get("JobState") in ACTIVE_STATES]
     if jobs:
-        _slurm("scancel", *jobs)
-    print(f"run {run_dir.name}: cancelled jobs {', '.join(jobs) or '(none)'}")
+        _slurm(slurm_bin, "scancel", *jobs)
+    print(f"run {run_dir.name}: cancelled jobs {', '.join(jobs) or '(none active)'}")
     return jobs
 
 

@@ -11,8 +11,9 @@ with a one-line reason on the poll that sees it.
   the run; succeed when the command has printed the run record. The run id is derived from what makes a
   run different (recipe, overrides, source hash), so an Update that changes none of them does nothing,
   and one that does submits a new run next to the old one, which is left alone.
-- Delete: cancel the run's jobs when the head node is still reachable (skip it when it is not), then
-  export the runs directory from the file system to its S3 data repository.
+- Delete: cancel the run's jobs when the head node is still reachable (skip it when it is not; a cancel
+  that fails stops the Delete with its reason), then export the runs directory from the file system to
+  its S3 data repository.
 
 The physical id is `pipeline-<ClusterName>` and never changes, so CloudFormation never sends the Delete
 of a replaced resource on Update. Only the standard library and boto3 (the Lambda Python runtime's).
@@ -115,7 +116,9 @@ def parse_properties(raw: Mapping[str, Any]) -> Props:
         raise ValueError(f"property SiteSettings is not JSON ({error})") from None
     if not isinstance(site, dict):
         raise ValueError("property SiteSettings must be a JSON object (the --site settings)")
-    for key in ("runs_root", "python"):
+    for key in ("runs_root", "python", "slurm_bin"):
+        if key == "slurm_bin" and site.get(key) is None:
+            continue  # Slurm on PATH (a site without a prefix)
         if not isinstance(site.get(key), str) or not SAFE_PATH.match(site[key]):
             raise ValueError(f"property SiteSettings.{key} must be an absolute path, got {site.get(key)!r}")
     mount_dir = text("FileSystemMountDir").rstrip("/") or "/"
@@ -279,7 +282,8 @@ def submit_script(props: Props, run_id: str) -> str:
 
 
 def cancel_script(props: Props, run_id: str) -> str:
-    """Cancel the run's jobs; a finished, missing or never-fetched run is not an error (Delete must not block)."""
+    """Cancel the run's jobs. A never-submitted run is nothing to cancel; a failed cancel fails the script,
+    so the Delete stops with the reason instead of exporting and deleting under running jobs."""
     q = shlex.quote
     paths = paths_of(props)
     lines = [
@@ -291,8 +295,8 @@ def cancel_script(props: Props, run_id: str) -> str:
         f"site_file={q(paths.site_file)}",
         f"run_id={q(run_id)}",
         'if [[ -d "$source_dir" && -f "$site_file" ]]; then',
-        '  cd "$source_dir" || exit 0',
-        '  PYTHONPATH="$source_dir" "$python" -m training cancel --run-id "$run_id" --site "$site_file" || true',
+        '  cd "$source_dir" || exit',
+        '  PYTHONPATH="$source_dir" exec "$python" -m training cancel --run-id "$run_id" --site "$site_file"',
         "else",
         '  echo "run $run_id: $source_dir or $site_file is missing; nothing to cancel"',
         "fi",
@@ -614,8 +618,18 @@ def check_teardown(props: Props, state: Mapping[str, Any], clients: ClientFactor
                     f"of run {state.get('RunId')} on head node {props.head_node} (status {status})"
                 )
             return {"IsComplete": False}
-        if status != "Success":  # the cancel is best effort: report it and export anyway
-            print(f"cancel command {command} ended {status}; exporting the results anyway")
+        if status != "Success":
+            # Exporting and deleting the cluster under running jobs would hide the failure: stop with it.
+            stdout, stderr = invocation_output(clients("s3"), props, invocation or {}, need_marker=False)
+            run_id = state.get("RunId")
+            raise RuntimeError(
+                one_line(
+                    f"cancel command {command} of run {run_id} on head node {props.head_node} {status} "
+                    f"(exit {(invocation or {}).get('ResponseCode', '?')}): {output_tail(stdout, stderr)}. "
+                    f"Its jobs may still run: cancel them on the head node (python -m training cancel --run-id "
+                    f"{run_id}) and destroy again, or deploy with pipeline.start_run false first"
+                )
+            )
     return check_export(props, state, clients("fsx"), now)
 
 
