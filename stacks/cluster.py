@@ -10,16 +10,21 @@ from aws_cdk import Aws, CfnStack, CustomResource, Fn, RemovalPolicy
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_fsx as fsx
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_s3_assets as s3_assets
+from aws_cdk import aws_s3_deployment as s3_deployment
 from constructs import Construct
 
-from stacks.cluster_requirements import LOCK, read_lock
+from stacks.cluster_requirements import LOCK
 from stacks.config import PARALLELCLUSTER_VERSION
 from stacks.pcluster_config import ClusterResources, ClusterSettings, build_cluster_configuration
 
 BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "node" / "on_node_configured.sh"
 # ParallelCluster's provider may attach only policies under this path (or named parallelcluster*).
 PARALLELCLUSTER_POLICY_PATH = "/parallelcluster/"
+# The bucket prefix of the files nodes read while bootstrapping, at keys that never change: the cluster
+# configuration names them, and ParallelCluster cannot update the head node's OnNodeConfigured.
+NODE_FILES_PREFIX = "cluster/"
 
 
 def provider_template_url(version: str) -> str:
@@ -43,22 +48,13 @@ def bootstrap_neuron_release() -> str:
     return pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
 
 
-def training_requirements(lock: Path = LOCK) -> tuple[str, ...]:
-    """The cluster's locked requirement set (`make lock`), installed into the shared Neuron environment beside
-    the Neuron packages, which are constraints there: the same file the neuron test tier installs."""
-    return read_lock(lock)
+def bootstrap_arguments(*, neuron_release: str, shared_env: str, requirements_uri: str) -> tuple[str, ...]:
+    """Arguments of the OnNodeConfigured script: nothing that changes with the training code.
 
-
-def bootstrap_arguments(*, neuron_release: str, shared_env: str) -> tuple[str, ...]:
-    """Arguments of the OnNodeConfigured script; the shared environment lives on the file system."""
-    return (
-        "--neuron-release",
-        neuron_release,
-        "--shared-env",
-        shared_env,
-        "--extra-pip",
-        ",".join(training_requirements()),
-    )
+    The requirement set is passed by its stable S3 key, not by content, so a new lock never changes the
+    cluster configuration; the pipeline brings the shared environment up to date before a new run.
+    """
+    return ("--neuron-release", neuron_release, "--shared-env", shared_env, "--requirements", requirements_uri)
 
 
 class Cluster(Construct):
@@ -82,12 +78,23 @@ class Cluster(Construct):
         compute_subnet: ec2.ISubnet,
         security_group: ec2.ISecurityGroup,
         file_system: fsx.IFileSystem,
+        node_files_bucket: s3.IBucket,
         head_node_access: Sequence[iam.PolicyStatement],
         compute_node_access: Sequence[iam.PolicyStatement],
     ) -> None:
         super().__init__(scope, construct_id)
         self.cluster_name = cluster_name
         self.bootstrap_script = s3_assets.Asset(self, "BootstrapScript", path=str(BOOTSTRAP_SCRIPT))
+        # The locked requirement set at a fixed key (the same file the pipeline ships with the code).
+        self.node_files = s3_deployment.BucketDeployment(
+            self,
+            "NodeFiles",
+            sources=[s3_deployment.Source.asset(str(LOCK.parent), exclude=["*", f"!{LOCK.name}"])],
+            destination_bucket=node_files_bucket,
+            destination_key_prefix=NODE_FILES_PREFIX,
+            memory_limit=512,  # shares the stack's one BucketDeployment handler
+        )
+        requirements_uri = f"s3://{node_files_bucket.bucket_name}/{NODE_FILES_PREFIX}{LOCK.name}"
         self.head_node_policy = self._node_policy(
             "HeadNodePolicy", f"Head nodes of {cluster_name}", head_node_access, metrics_namespace
         )
@@ -108,7 +115,9 @@ class Cluster(Construct):
             head_node_policy_arn=self.head_node_policy.managed_policy_arn,
             compute_node_policy_arn=self.compute_node_policy.managed_policy_arn,
             bootstrap_script_url=self.bootstrap_script.s3_object_url,
-            bootstrap_args=bootstrap_arguments(neuron_release=neuron_release, shared_env=shared_env),
+            bootstrap_args=bootstrap_arguments(
+                neuron_release=neuron_release, shared_env=shared_env, requirements_uri=requirements_uri
+            ),
         )
         self.resource = CustomResource(
             self,
@@ -122,8 +131,10 @@ class Cluster(Construct):
             },
             removal_policy=RemovalPolicy.DESTROY,
         )
-        # Nodes download the Neuron SDK while bootstrapping: the NAT route must exist before the cluster.
+        # Nodes download the Neuron SDK while bootstrapping: the NAT route must exist before the cluster, and
+        # the requirement file in the bucket.
         self.resource.node.add_dependency(compute_subnet.internet_connectivity_established)
+        self.resource.node.add_dependency(self.node_files)
         self.head_node_instance_id = self.resource.get_att_string("headNode.instanceId")
 
     def head_node_command_access(self) -> list[iam.PolicyStatement]:

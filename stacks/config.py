@@ -108,6 +108,9 @@ class PipelineConfig(StrictModel):
     """What `cdk deploy` starts on the cluster once it exists (a bundled recipe of training/train/recipes/)."""
 
     start_run: Bool = Field(False, description="off until the recipe's model is uploaded to s3://<bucket>/fsx/models/")
+    run: Annotated[int, Field(strict=True, ge=1), Allowed("a run number of 1 or more")] = Field(
+        1, description="bump to start a new run on the next deploy; code changes alone never start one"
+    )
     recipe: Str = "llama31-8b-cpt"
     overrides: tuple[Str, ...] = Field((), description="recipe key=value overrides, e.g. 'steps=100'")
     timeout_minutes: Annotated[

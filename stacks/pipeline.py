@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,14 @@ SSM_OUTPUT_PREFIX = "pipeline/ssm-output/"
 BUCKET_DEPLOYMENT_HANDLER = "Custom::CDKBucketDeployment8693BB64968944B69AAFB0CC9EB8756C512MiB"
 
 
+@dataclass(frozen=True)
+class SharedEnvironment:
+    """The head node's shared Neuron environment, which the pipeline brings up to date before a new run."""
+
+    path: str
+    neuron_release: str
+
+
 def source_files(root: Path = ROOT) -> list[Path]:
     """The shipped files, relative to `root`, in a stable order: what CDK stages for the upload, selected
     by CDK's own matcher with SOURCE_EXCLUDE and walked as CDK does (an excluded directory is not entered)."""
@@ -68,7 +77,8 @@ def source_files(root: Path = ROOT) -> list[Path]:
 
 
 def source_hash(root: Path = ROOT) -> str:
-    """SHA-256 of the shipped files' names and contents: a new hash means a new run on the next deploy."""
+    """SHA-256 of the shipped files' names and contents: where a new run's code is (a run starts only when the
+    environment file's `pipeline.run` changes, never because the code did)."""
     digest = hashlib.sha256()
     for relative in source_files(root):
         digest.update(f"{relative.as_posix()}\0".encode())
@@ -92,6 +102,7 @@ class Pipeline(Construct):
         environment_name: str,
         cluster_name: str,
         pipeline: PipelineConfig,
+        shared_environment: SharedEnvironment,
         site_settings: Mapping[str, Any],
         log_retention_days: int,
         bucket: s3.IBucket,
@@ -161,12 +172,15 @@ class Pipeline(Construct):
                 "ClusterName": cluster_name,
                 "HeadNodeInstanceId": head_node_instance_id,
                 "StartRun": "true" if pipeline.start_run else "false",
+                "Run": str(pipeline.run),
                 "Recipe": pipeline.recipe,
                 "RecipeOverrides": list(pipeline.overrides),
                 "SourceBucket": bucket.bucket_name,
                 "SourceKey": prefix,
                 "SourceHash": digest,
                 "SiteSettings": stack.to_json_string(dict(site_settings)),
+                "SharedEnvironmentPath": shared_environment.path,
+                "NeuronRelease": shared_environment.neuron_release,
                 "FileSystemId": file_system.file_system_id,
                 "FileSystemMountDir": file_system_mount_dir,
                 "OutputBucket": bucket.bucket_name,

@@ -13,7 +13,7 @@ from stacks.cluster import Cluster, bootstrap_neuron_release
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
 from stacks.network import Network
 from stacks.pcluster_config import ClusterSettings
-from stacks.pipeline import SSM_OUTPUT_PREFIX, Pipeline
+from stacks.pipeline import SSM_OUTPUT_PREFIX, Pipeline, SharedEnvironment
 from stacks.pipeline_site import shared_env_path, site_settings
 from stacks.storage import Storage
 
@@ -86,6 +86,7 @@ class TrainingEnvironmentStack(Stack):
             compute_subnet=self.network.private_subnet,
             security_group=self.network.cluster_security_group,
             file_system=self.storage.file_system,
+            node_files_bucket=self.storage.bucket,
             # Nodes read the bucket. The head node writes the SSM command output the pipeline reads back;
             # compute nodes write results: the export stage runs there.
             head_node_access=self.storage.results_access(write_prefixes=(SSM_OUTPUT_PREFIX,)),
@@ -100,6 +101,9 @@ class TrainingEnvironmentStack(Stack):
             environment_name=config.name,
             cluster_name=config.cluster_name,
             pipeline=config.pipeline,
+            shared_environment=SharedEnvironment(
+                path=shared_env_path(config, neuron_release), neuron_release=neuron_release
+            ),
             site_settings=site_settings(
                 config, neuron_release=neuron_release, results_uri=f"s3://{bucket.bucket_name}/{RESULTS_PREFIX}"
             ),

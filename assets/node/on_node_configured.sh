@@ -5,12 +5,16 @@
 # CustomActions.OnNodeConfigured.Args as positional arguments:
 #
 #   on_node_configured.sh --neuron-release 2.28.1 --shared-env /fsx/envs/neuron-2.28.1
-#                         [--pip-index URL] [--extra-pip REQS] [--apt-suite NAME] [--node-type head|compute]
-#                         [--skip-hosts-fix] [--dry-run]
+#                         [--requirements FILE|s3://URI] [--pip-index URL] [--apt-suite NAME]
+#                         [--node-type head|compute] [--env-only] [--skip-hosts-fix] [--dry-run]
 #
 # What it does, by node type:
 #   head node     apt: python3.X-venv and g++ only. Builds the shared Python venv on the shared
-#                 file system (torch-neuronx, neuronx-cc, neuronx-distributed pinned to the release).
+#                 file system (torch-neuronx, neuronx-cc, neuronx-distributed pinned to the release,
+#                 with the cluster's locked requirement set, in one resolver run).
+#   --env-only    (head node, later) rebuilds the shared venv when the requirement set changed: the
+#                 pipeline runs this from the shipped source before a new run, so a changed lock never
+#                 has to change the cluster's configuration (OnNodeConfigured cannot be updated).
 #   compute node  apt: Neuron driver, runtime, collectives and tools pinned to the release;
 #                 removes the node's own hostname line from /etc/hosts (trn1 multi-NIC fix).
 #   login node    nothing (it uses the shared venv).
@@ -81,7 +85,8 @@ APT_LOCK_TIMEOUT_SECONDS=300        # unattended-upgrades may hold the dpkg lock
 ARG_NEURON_RELEASE=""
 ARG_SHARED_ENV=""
 ARG_PIP_INDEX="${DEFAULT_PIP_INDEX}"
-ARG_EXTRA_PIP=""
+ARG_REQUIREMENTS=""
+ARG_ENV_ONLY=0
 ARG_APT_SUITE=""
 ARG_NODE_TYPE=""
 ARG_SKIP_HOSTS_FIX=0
@@ -117,8 +122,10 @@ Required:
                            e.g. /fsx/envs/neuron-${NEURON_RELEASE}.
 Options:
   --pip-index URL          Extra pip index for the Neuron wheels (default ${DEFAULT_PIP_INDEX}).
-  --extra-pip REQS         Comma-separated pinned requirements installed into the shared venv after the
-                           Neuron packages, never changing them (the training package's dependencies).
+  --requirements SRC       The cluster's locked requirement file (a path, or an s3:// URI fetched with the
+                           AWS CLI), installed with the Neuron packages in one resolver run.
+  --env-only               Head node: only (re)build the shared venv when it does not match the release
+                           and the requirement file; no apt, no /etc/hosts.
   --apt-suite NAME         Suite of the Neuron apt repository (default: VERSION_CODENAME of the OS).
   --node-type head|compute Skip node type detection from ${PCLUSTER_CFNCONFIG}.
   --skip-hosts-fix         Do not remove the node's hostname line from ${HOSTS_FILE}.
@@ -174,7 +181,7 @@ set_option() {
     --neuron-release) ARG_NEURON_RELEASE=${value} ;;
     --shared-env) ARG_SHARED_ENV=${value} ;;
     --pip-index) ARG_PIP_INDEX=${value} ;;
-    --extra-pip) ARG_EXTRA_PIP=${value} ;;
+    --requirements) ARG_REQUIREMENTS=${value} ;;
     --apt-suite) ARG_APT_SUITE=${value} ;;
     --node-type) ARG_NODE_TYPE=${value} ;;
     *) usage_error "unknown argument: '${name}'" ;;
@@ -196,7 +203,11 @@ parse_args() {
         ARG_SKIP_HOSTS_FIX=1
         shift
         ;;
-      --neuron-release | --shared-env | --pip-index | --extra-pip | --apt-suite | --node-type)
+      --env-only)
+        ARG_ENV_ONLY=1
+        shift
+        ;;
+      --neuron-release | --shared-env | --pip-index | --requirements | --apt-suite | --node-type)
         if (($# < 2)) || [[ "$2" == --* ]]; then
           usage_error "$1 requires a value"
         fi
@@ -240,6 +251,12 @@ validate_args() {
     "" | head | compute) ;;
     *) usage_error "--node-type must be 'head' or 'compute', got '${ARG_NODE_TYPE}'" ;;
   esac
+  if [[ -n "${ARG_REQUIREMENTS}" && ! "${ARG_REQUIREMENTS}" =~ ^(s3://[a-z0-9.-]+/|/)[A-Za-z0-9._/-]+$ ]]; then
+    usage_error "--requirements must be an absolute path or an s3:// URI, got '${ARG_REQUIREMENTS}'"
+  fi
+  if [[ "${ARG_ENV_ONLY}" == 1 && "${ARG_NODE_TYPE}" != head ]]; then
+    usage_error "--env-only builds the shared venv, which only the head node does: add --node-type head"
+  fi
 }
 
 # ----------------------------------------------------------------------------- detection
@@ -440,7 +457,7 @@ install_compute_packages() {
 }
 
 check_shared_env_visible() {
-  if shared_env_complete "${ARG_SHARED_ENV}"; then
+  if [[ -x "${ARG_SHARED_ENV}/bin/python" && -f "${ARG_SHARED_ENV}/${ENV_MARKER}" ]]; then
     log "shared venv ${ARG_SHARED_ENV} is present"
   else
     log "WARNING: shared venv ${ARG_SHARED_ENV} is not (yet) complete; the head node builds it"
@@ -460,11 +477,39 @@ install_head_packages() {
   apt_get install --no-install-recommends "python${PYTHON_VERSION}-venv" g++
 }
 
+# Complete for this release and, when given, this requirement file (by content, not by name).
 shared_env_complete() {
-  local dir=$1
+  local dir=$1 wanted=${2:-}
   [[ -x "${dir}/bin/python" && -f "${dir}/${ENV_MARKER}" ]] &&
     grep -qx "neuron_release=${NEURON_RELEASE}" "${dir}/${ENV_MARKER}" &&
-    grep -qxF "extra_pip=${ARG_EXTRA_PIP}" "${dir}/${ENV_MARKER}"
+    grep -qxF "requirements_sha256=${wanted}" "${dir}/${ENV_MARKER}"
+}
+
+# The requirement file as a local path: fetched once into a temporary file when it is an s3:// URI.
+REQUIREMENTS_FILE=""
+fetch_requirements() {
+  if [[ -z "${ARG_REQUIREMENTS}" ]]; then
+    REQUIREMENTS_FILE=""
+  elif [[ "${ARG_REQUIREMENTS}" == s3://* ]]; then
+    REQUIREMENTS_FILE=$(mktemp "${TMPDIR:-/tmp}/cluster-requirements.XXXXXX")
+    if [[ "${DRY_RUN}" == 1 ]]; then
+      printf 'DRY-RUN: fetch %s into %s\n' "${ARG_REQUIREMENTS}" "${REQUIREMENTS_FILE}"
+      printf '# dry run\n' >"${REQUIREMENTS_FILE}"
+    else
+      command -v aws >/dev/null || die "the AWS CLI is required to fetch ${ARG_REQUIREMENTS}"
+      aws s3 cp --only-show-errors "${ARG_REQUIREMENTS}" "${REQUIREMENTS_FILE}" ||
+        die "cannot download ${ARG_REQUIREMENTS} (does the node role allow s3:GetObject on it?)"
+    fi
+  else
+    [[ -f "${ARG_REQUIREMENTS}" ]] || die "--requirements ${ARG_REQUIREMENTS}: no such file"
+    REQUIREMENTS_FILE=${ARG_REQUIREMENTS}
+  fi
+}
+
+requirements_digest() {
+  if [[ -n "${REQUIREMENTS_FILE}" ]]; then
+    sha256sum "${REQUIREMENTS_FILE}" | cut -d' ' -f1
+  fi
 }
 
 # Fail unless the installed versions equal the pins (pip must not have picked anything else, e.g.
@@ -490,23 +535,17 @@ if wrong:
 PY
 }
 
+# One resolver run for the Neuron pins and the requirement file: pip either finds one consistent set
+# or fails here, instead of a second install quietly moving a package the first one chose.
 install_pip_packages() {
   local python=$1
   local pip=("${python}" -m pip install --no-cache-dir --disable-pip-version-check --timeout 60 --retries 5)
-  run "${pip[@]}" --upgrade pip
-  run "${pip[@]}" --extra-index-url "${ARG_PIP_INDEX}" "${NEURON_PIP_PINS[@]}"
-  if [[ -n "${ARG_EXTRA_PIP}" ]]; then
-    local extra constraints
-    IFS=, read -r -a extra <<<"${ARG_EXTRA_PIP}"
-    # The Neuron packages (torch included) are constraints, so the extras never replace them.
-    constraints=$(dirname "${python}")/../neuron-pins.txt
-    if [[ "${DRY_RUN}" == 1 ]]; then
-      log "would write the Neuron pins to ${constraints}"
-    else
-      printf '%s\n' "${NEURON_PIP_PINS[@]}" >"${constraints}"
-    fi
-    run "${pip[@]}" --extra-index-url "${ARG_PIP_INDEX}" -c "${constraints}" "${extra[@]}"
+  local requirements=()
+  if [[ -n "${REQUIREMENTS_FILE}" ]]; then
+    requirements=(-r "${REQUIREMENTS_FILE}")
   fi
+  run "${pip[@]}" --upgrade pip
+  run "${pip[@]}" --extra-index-url "${ARG_PIP_INDEX}" "${NEURON_PIP_PINS[@]}" "${requirements[@]}"
 }
 
 # Remove venv builds that an interrupted run left behind. Caller holds the lock. The directory
@@ -534,8 +573,10 @@ build_shared_env() {
   parent=$(dirname "${target}")
   name=$(basename "${target}")
   local lock_file="${parent}/.${name}.lock"
+  local digest
+  digest=$(requirements_digest)
 
-  if shared_env_complete "${target}"; then
+  if shared_env_complete "${target}" "${digest}"; then
     log "shared venv ${target} is already complete; nothing to do"
     return 0
   fi
@@ -561,12 +602,15 @@ build_shared_env() {
   flock -w "${LOCK_TIMEOUT_SECONDS}" "${lock_fd}" ||
     die "timed out after ${LOCK_TIMEOUT_SECONDS}s waiting for ${lock_file} (another build running?)"
 
-  if shared_env_complete "${target}"; then
+  if shared_env_complete "${target}" "${digest}"; then
     log "shared venv ${target} was completed by another run"
     exec {lock_fd}>&-
     return 0
   fi
-  if [[ -e "${target}" && ! -L "${target}" ]]; then
+  if [[ -L "${target}" ]]; then
+    log "shared venv ${target} does not match Neuron ${NEURON_RELEASE} and the requirement file: rebuilding" \
+      "(jobs running on the current build keep it)"
+  elif [[ -e "${target}" ]]; then
     die "${target} exists but is not a complete venv of Neuron ${NEURON_RELEASE} built by this" \
       "script; remove it or choose another --shared-env"
   fi
@@ -583,7 +627,10 @@ build_shared_env() {
   "${build}/bin/python" -m pip check || log "WARNING: pip check reports dependency problems"
   # Lets later installs into user venvs keep these versions: pip install -c <file> ...
   "${build}/bin/python" -m pip freeze --all >"${build}/neuron-constraints.txt"
-  printf 'neuron_release=%s\nextra_pip=%s\nbuilt=%s\n' "${NEURON_RELEASE}" "${ARG_EXTRA_PIP}" \
+  if [[ -n "${REQUIREMENTS_FILE}" ]]; then
+    install -m 0644 "${REQUIREMENTS_FILE}" "${build}/cluster-requirements.txt"
+  fi
+  printf 'neuron_release=%s\nrequirements_sha256=%s\nbuilt=%s\n' "${NEURON_RELEASE}" "${digest}" \
     "$(date -u '+%Y-%m-%dT%H:%M:%SZ')" >"${build}/${ENV_MARKER}"
 
   local link="${parent}/.${name}.link-$$"
@@ -598,6 +645,9 @@ build_shared_env() {
 
 on_exit() {
   local status=$?
+  if [[ "${ARG_REQUIREMENTS}" == s3://* && -n "${REQUIREMENTS_FILE}" ]]; then
+    rm -f -- "${REQUIREMENTS_FILE}"
+  fi
   if [[ -n "${BUILD_DIR_IN_PROGRESS}" && -d "${BUILD_DIR_IN_PROGRESS}" ]]; then
     log "removing the unfinished build ${BUILD_DIR_IN_PROGRESS}"
     rm -rf -- "${BUILD_DIR_IN_PROGRESS}"
@@ -629,7 +679,12 @@ main() {
 
   case "${NODE_TYPE}" in
     head)
-      install_head_packages
+      fetch_requirements
+      if [[ "${ARG_ENV_ONLY}" == 1 ]]; then
+        log "--env-only: the shared venv only"
+      else
+        install_head_packages
+      fi
       build_shared_env
       ;;
     compute)

@@ -7,6 +7,7 @@ temporary files passed through OS_RELEASE_FILE, PCLUSTER_CFNCONFIG and HOSTS_FIL
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -402,14 +403,14 @@ def fake_head_node(tmp_path: Path, node_files):
     shared_env = tmp_path / "fsx" / "envs" / f"neuron-{RELEASE}"
     env["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
 
-    def run_main(pip_step: str = ":") -> subprocess.CompletedProcess[str]:
+    def run_main(pip_step: str = ":", extra: str = "") -> subprocess.CompletedProcess[str]:
         snippet = textwrap.dedent(
             f"""\
             install_head_packages() {{ :; }}
             require_root() {{ :; }}
             install_pip_packages() {{ {pip_step}; }}
             verify_pip_versions() {{ :; }}
-            main --neuron-release {RELEASE} --shared-env "{shared_env}"
+            main --neuron-release {RELEASE} --shared-env "{shared_env}" {extra}
             """
         )
         return run_sourced(snippet, env)
@@ -487,6 +488,57 @@ def test_foreign_directory_at_shared_env_is_not_overwritten(fake_head_node) -> N
     assert "exists but is not a complete venv" in result.stderr
     assert (shared_env / "user-file").read_text() == "keep me"
     assert build_count() == 0
+
+
+def test_a_changed_requirement_file_rebuilds_and_the_same_one_does_not(fake_head_node, tmp_path: Path) -> None:
+    """The pipeline runs `--env-only` with the shipped lock before each new run: only a changed lock rebuilds,
+    and the build jobs may still run on is kept."""
+    shared_env, run_main, build_count = fake_head_node
+    lock = tmp_path / "cluster-requirements.txt"
+    lock.write_text("transformers==4.57.6\n")
+    first = run_main(extra=f"--requirements {lock}")
+    assert first.returncode == 0, first.stderr
+    old_build = shared_env.resolve()
+    assert (old_build / "cluster-requirements.txt").read_text() == lock.read_text()
+    marker = (old_build / ".neuron-env-complete").read_text()
+    assert f"requirements_sha256={hashlib.sha256(lock.read_bytes()).hexdigest()}\n" in marker
+
+    same = run_main(extra=f"--requirements {lock} --env-only --node-type head")
+    assert same.returncode == 0 and "already complete" in same.stderr and build_count() == 1
+
+    lock.write_text("transformers==4.57.6\nsafetensors==0.6.2\n")
+    changed = run_main(extra=f"--requirements {lock} --env-only --node-type head")
+    assert changed.returncode == 0, changed.stderr
+    assert "rebuilding" in changed.stderr and build_count() == 2
+    assert shared_env.resolve() != old_build and old_build.is_dir()
+
+
+def test_env_only_installs_no_system_packages(node_files, tmp_path: Path) -> None:
+    lock = tmp_path / "cluster-requirements.txt"
+    lock.write_text("transformers==4.57.6\n")
+    env = node_files(cfn_node_type="HeadNode")
+    args = [*REQUIRED_ARGS, "--requirements", str(lock), "--env-only", "--node-type", "head", "--dry-run"]
+    result = run_script(args, env)
+    assert result.returncode == 0, result.stderr
+    commands = dry_run_commands(result.stdout)
+    assert not [c for c in commands if "apt-get" in c]
+    (install,) = [c for c in commands if " -m pip install " in c and "--extra-index-url" in c]
+    assert install.endswith(f" -r {lock}"), install
+    assert all(f"{name}=={version}" in install.split() for name, version in PIP_PINS.items())
+
+
+def test_env_only_is_for_the_head_node(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--env-only", "--dry-run"], node_files(cfn_node_type="ComputeFleet"))
+    assert result.returncode == 2 and "--env-only builds the shared venv" in result.stderr
+
+
+def test_requirements_from_s3_are_fetched_with_the_aws_cli(node_files) -> None:
+    uri = "s3://results-bucket/cluster/cluster-requirements.txt"
+    result = run_script([*REQUIRED_ARGS, "--requirements", uri, "--dry-run"], node_files(cfn_node_type="HeadNode"))
+    assert result.returncode == 0, result.stderr
+    assert f"DRY-RUN: fetch {uri} into " in result.stdout
+    bad = run_script([*REQUIRED_ARGS, "--requirements", "reqs.txt", "--dry-run"], node_files())
+    assert bad.returncode == 2 and "--requirements must be an absolute path or an s3:// URI" in bad.stderr
 
 
 def test_verify_pip_versions_rejects_missing_packages() -> None:

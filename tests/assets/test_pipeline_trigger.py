@@ -89,7 +89,10 @@ def properties(**changes: Any) -> dict[str, Any]:
         "SourceBucket": "cdk-hnb659fds-assets-123456789012-us-west-2",
         "SourceKey": "0a1b2c3d.zip",
         "SourceHash": "0a1b2c3d",
+        "Run": "1",
         "SiteSettings": json.dumps(SITE),
+        "SharedEnvironmentPath": "/fsx/envs/neuron-2.28.1",
+        "NeuronRelease": "2.28.1",
         "FileSystemId": FILE_SYSTEM,
         "FileSystemMountDir": "/fsx",
         "OutputBucket": OUTPUT_BUCKET,
@@ -274,15 +277,15 @@ def submitted(
 # --- Run id -----------------------------------------------------------------------------------------------
 
 
-def test_run_id_depends_on_recipe_overrides_and_source_only() -> None:
-    run_id = handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "0a1b2c3d")
+def test_run_id_depends_on_the_run_number_recipe_and_overrides_only() -> None:
+    run_id = handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "1")
     assert run_id.startswith("default-llama31-8b-cpt-") and len(run_id) == len("default-llama31-8b-cpt-") + 10
-    assert run_id == handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "0a1b2c3d")
+    assert run_id == handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "1")
     others = {
-        handler.derive_run_id("default", "mixtral-8x7b-sft", ["steps=100"], "0a1b2c3d"),
-        handler.derive_run_id("default", "llama31-8b-cpt", ["steps=200"], "0a1b2c3d"),
-        handler.derive_run_id("default", "llama31-8b-cpt", [], "0a1b2c3d"),
-        handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "ffff"),
+        handler.derive_run_id("default", "mixtral-8x7b-sft", ["steps=100"], "1"),
+        handler.derive_run_id("default", "llama31-8b-cpt", ["steps=200"], "1"),
+        handler.derive_run_id("default", "llama31-8b-cpt", [], "1"),
+        handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "2"),
     }
     assert run_id not in others and len(others) == 4
 
@@ -292,7 +295,7 @@ def test_run_id_depends_on_recipe_overrides_and_source_only() -> None:
     [("default", "llama31-8b-cpt"), ("my env", "../recipes/x y.yaml"), ("-x" * 40, "r" * 80), ("", "")],
 )
 def test_run_id_is_accepted_by_training_submit(environment: str, recipe: str) -> None:
-    run_id = handler.derive_run_id(environment, recipe, ["a=b"], "0a1b2c3d")
+    run_id = handler.derive_run_id(environment, recipe, ["a=b"], "12")
     assert RUN_ID.match(run_id), run_id
     assert len(run_id) <= 64
 
@@ -356,7 +359,14 @@ def test_start_run_false_does_nothing() -> None:
 
 def test_update_with_nothing_relevant_changed_does_nothing() -> None:
     old = properties()
-    new = properties(TimeoutSeconds="900", HeadNodeInstanceId="i-0fedcba9876543210", SiteSettings=json.dumps(SITE))
+    # A deploy of new code: new source, new head node (a replaced cluster), other timeouts. No new run.
+    new = properties(
+        TimeoutSeconds="900",
+        HeadNodeInstanceId="i-0fedcba9876543210",
+        SiteSettings=json.dumps(SITE),
+        SourceHash="99ffee00",
+        SourceKey="99ffee00.zip",
+    )
     event = cfn_event("Update", new, old)
 
     result = handler.on_event(event, None, clients=no_clients, now=lambda: NOW)
@@ -379,10 +389,10 @@ def test_update_with_nothing_relevant_changed_does_nothing() -> None:
     "change",
     [
         {"Recipe": "mixtral-8x7b-sft"},
-        {"SourceHash": "99ffee00", "SourceKey": "99ffee00.zip"},
+        {"Run": "2", "SourceHash": "99ffee00", "SourceKey": "99ffee00.zip"},
         {"RecipeOverrides": ["steps=200"]},
     ],
-    ids=["recipe", "source", "overrides"],
+    ids=["recipe", "run-number", "overrides"],
 )
 @pytest.mark.parametrize("old_start", ["true", "false"])
 def test_update_with_a_new_run_submits_it_and_leaves_the_old_one(
@@ -440,6 +450,10 @@ def test_head_node_not_managed_by_ssm_fails_at_once(
         ({"SiteSettings": json.dumps(SITE | {"runs_root": "/home/runs"})}, "is not below FileSystemMountDir /fsx"),
         ({"RecipeOverrides": ["--dry-run"]}, "property RecipeOverrides: '--dry-run' is not key=value"),
         ({"HeadNodeInstanceId": ""}, "property HeadNodeInstanceId is missing"),
+        ({"Run": "1; reboot"}, "property Run must be letters, digits"),
+        ({"NeuronRelease": None}, "SharedEnvironmentPath and NeuronRelease go together"),
+        ({"SharedEnvironmentPath": "envs/x"}, "property SharedEnvironmentPath must be an absolute path"),
+        ({"NeuronRelease": "latest"}, "property NeuronRelease must look like 2.28.1"),
     ],
 )
 def test_bad_properties_fail_at_once_with_their_name(change: dict[str, Any], message: str) -> None:
@@ -856,6 +870,12 @@ record = {"run_id": run_id, "stages": ["prepare", "train"], "submissions": [{"jo
 print(f"run {run_id}: submitted prepare=1, train=2")
 '''
 
+FAKE_BOOTSTRAP = """\
+#!/bin/bash
+# Stands in for the node bootstrap: records the arguments it was run with.
+echo "$*" >>"$HOME/bootstrap.log"
+"""
+
 FAKE_AWS = """\
 #!/bin/bash
 # Stands in for the AWS CLI: `aws s3 cp [--recursive] --only-show-errors s3://bucket/key destination`.
@@ -880,6 +900,8 @@ def head_node(tmp_path: Path) -> dict[str, Any]:
         archive.writestr("training/__init__.py", "")
         archive.writestr("training/__main__.py", FAKE_TRAINING)
         archive.writestr("pyproject.toml", "[project]\nname = 'x'\n")
+        archive.writestr("assets/node/on_node_configured.sh", FAKE_BOOTSTRAP)
+        archive.writestr("assets/node/cluster-requirements.txt", "transformers==4.57.6\n")
     (tmp_path / "source.zip").write_bytes(source.getvalue())
     with zipfile.ZipFile(source) as archive:
         archive.extractall(tmp_path / "source-tree")
@@ -960,6 +982,12 @@ def test_submit_script_runs_with_hostile_values_quoted(head_node: dict[str, Any]
         f"s3 cp {recursive}--only-show-errors s3://cdk-hnb659fds-assets-123456789012-us-west-2/{source_key} "
     )
     assert (source_dir / "training" / "__main__.py").is_file()
+    # The shared environment is brought up to date from the shipped lock before each submission.
+    sync = (
+        f"--env-only --node-type head --neuron-release 2.28.1 --shared-env /fsx/envs/neuron-2.28.1 "
+        f"--requirements {source_dir}/assets/node/cluster-requirements.txt"
+    )
+    assert (head_node["tmp"] / "bootstrap.log").read_text().splitlines() == [sync, sync]
     assert not [p for p in (mount / "pipeline").iterdir() if p.name.startswith(".source-")]  # staging removed
     site = json.loads(site_file.read_text())
     assert site == head_node["site"] | {

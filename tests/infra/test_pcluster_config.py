@@ -20,7 +20,6 @@ from stacks.cluster import (
     BOOTSTRAP_SCRIPT,
     bootstrap_arguments,
     pinned_neuron_release,
-    training_requirements,
 )
 from stacks.cluster_requirements import LOCK, ROOT, normalized, read_lock
 from stacks.config import load_environment
@@ -57,6 +56,8 @@ def resolve(value: Any, resources: dict[str, Any]) -> Any:
             return placeholder_id("fs", name)
         if kind == "AWS::IAM::ManagedPolicy":
             return f"arn:aws:iam::{ACCOUNT}:policy/parallelcluster/{name}"
+        if kind == "AWS::S3::Bucket":
+            return f"{name.lower()}-{ACCOUNT}"
         raise AssertionError(f"no placeholder for Ref to {kind}")
     if set(value) == {"Fn::GetAtt"}:
         name, attribute = value["Fn::GetAtt"]
@@ -64,6 +65,9 @@ def resolve(value: Any, resources: dict[str, Any]) -> Any:
         return placeholder_id("sg", name)
     if set(value) == {"Fn::Sub"} and isinstance(value["Fn::Sub"], str):
         return value["Fn::Sub"].replace("${AWS::AccountId}", ACCOUNT)
+    if set(value) == {"Fn::Join"}:
+        separator, parts = value["Fn::Join"]
+        return separator.join(str(resolve(part, resources)) for part in parts)
     unresolved = [key for key in value if key.startswith("Fn::")]
     assert not unresolved, f"unexpected intrinsic {unresolved}"
     return {key: resolve(item, resources) for key, item in value.items()}
@@ -213,13 +217,19 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
     release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
     assert re.fullmatch(r"\d+\.\d+\.\d+", release)
     config = load_environment("default", ENVIRONMENTS_DIR)
-    arguments = bootstrap_arguments(neuron_release=release, shared_env=shared_env_path(config, release))
-    assert arguments[:4] == ("--neuron-release", release, "--shared-env", f"/fsx/envs/neuron-{release}")
-    # The cluster's locked requirement set goes into the shared venv, exactly as the lock file has it.
-    assert arguments[4] == "--extra-pip"
-    pins = arguments[5].split(",")
-    assert tuple(pins) == read_lock(LOCK)
-    assert {"torch==2.9.1", "torch-xla==2.9.0", "transformers==4.57.6"} <= set(pins)
+    arguments = bootstrap_arguments(
+        neuron_release=release, shared_env=shared_env_path(config, release), requirements_uri="s3://b/cluster/r.txt"
+    )
+    # The requirement set by its stable key, never by content: a new lock must not change the configuration.
+    assert arguments == (
+        "--neuron-release",
+        release,
+        "--shared-env",
+        f"/fsx/envs/neuron-{release}",
+        "--requirements",
+        "s3://b/cluster/r.txt",
+    )
+    assert {"torch==2.9.1", "torch-xla==2.9.0", "transformers==4.57.6"} <= set(read_lock(LOCK))
     with pytest.raises(ValueError, match="pins no NEURON_RELEASE"):
         pinned_neuron_release("#!/bin/bash\n")
 
@@ -229,7 +239,7 @@ def test_cluster_installs_the_training_pins_only() -> None:
     (dev) package is installed on a node."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    installed = {normalized(pin) for pin in training_requirements()}
+    installed = {normalized(pin) for pin in read_lock(LOCK)}
     developer_only = {normalized(pin) for pin in (*extras["infra"], *extras["dev"])} - {
         normalized(pin) for pin in extras["training"]
     }

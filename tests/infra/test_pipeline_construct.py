@@ -52,10 +52,20 @@ def test_deletion_order_cancels_and_exports_before_cluster_and_file_system_go(de
     assert logical_id(default_env, "Custom::PclusterCluster") in references
     assert logical_id(default_env, "AWS::FSx::FileSystem") in references
     deployments = default_env.resources_of_type("Custom::CDKBucketDeployment")
-    assert set(deployments) <= set(resource.get("DependsOn", []))
-    ((_, deployment),) = deployments.items()
+    (source,) = (name for name in deployments if name.startswith("PipelineSource"))
+    assert source in resource.get("DependsOn", [])
+    deployment = deployments[source]
     assert deployment["Properties"]["DestinationBucketKeyPrefix"] == f"pipeline/source/{source_hash()}/"
     assert deployment["Properties"]["Prune"] is False and deployment["Properties"]["RetainOnDelete"] is True
+
+
+def test_the_requirement_file_is_in_the_bucket_before_the_cluster(default_env: Synthesized) -> None:
+    """The head node fetches it from its stable key while bootstrapping."""
+    deployments = default_env.resources_of_type("Custom::CDKBucketDeployment")
+    (node_files,) = (name for name in deployments if name.startswith("ClusterNodeFiles"))
+    assert deployments[node_files]["Properties"]["DestinationBucketKeyPrefix"] == "cluster/"
+    cluster = default_env.only("Custom::PclusterCluster")
+    assert node_files in cluster["DependsOn"]
 
 
 def handler_statements(env: Synthesized) -> list[dict[str, Any]]:
@@ -154,12 +164,24 @@ def test_shipped_source_is_exactly_the_tracked_package_templates_and_metadata() 
 
 def test_upload_is_exactly_the_shipped_files(default_env: Synthesized) -> None:
     """The directory CDK staged for the BucketDeployment holds `source_files()`, byte for byte."""
-    ((_, deployment),) = default_env.resources_of_type("Custom::CDKBucketDeployment").items()
+    deployments = default_env.resources_of_type("Custom::CDKBucketDeployment")
+    (deployment,) = (d for name, d in deployments.items() if name.startswith("PipelineSource"))
     (key,) = deployment["Properties"]["SourceObjectKeys"]
     staged = default_env.outdir / f"asset.{key.removesuffix('.zip')}"
     uploaded = sorted(path.relative_to(staged) for path in staged.rglob("*") if path.is_file())
     assert uploaded == sorted(source_files())
     assert all((staged / path).read_bytes() == (ROOT / path).read_bytes() for path in uploaded)
+
+
+def test_node_files_upload_is_the_lock_alone(default_env: Synthesized) -> None:
+    deployments = default_env.resources_of_type("Custom::CDKBucketDeployment")
+    (deployment,) = (d for name, d in deployments.items() if name.startswith("ClusterNodeFiles"))
+    (key,) = deployment["Properties"]["SourceObjectKeys"]
+    staged = default_env.outdir / f"asset.{key.removesuffix('.zip')}"
+    assert [p.name for p in staged.iterdir()] == ["cluster-requirements.txt"]
+    assert (staged / "cluster-requirements.txt").read_bytes() == (
+        ROOT / "assets/node/cluster-requirements.txt"
+    ).read_bytes()
 
 
 def test_exclude_patterns_select_the_same_files_for_cdk_and_the_source_hash(tmp_path: Path) -> None:

@@ -253,7 +253,9 @@ def test_bootstrap_script_is_an_asset_run_on_every_node(default_env: Synthesized
     assert head_action["Script"]["Fn::Sub"].endswith(".sh")
     assert head_action["Args"][:2] == ["--neuron-release", head_action["Args"][1]]
     assert head_action["Args"][2:4] == ["--shared-env", f"/fsx/envs/neuron-{head_action['Args'][1]}"]
-    assert head_action["Args"][4] == "--extra-pip"
+    assert head_action["Args"][4] == "--requirements"
+    bucket = {"Ref": logical_id(default_env, "AWS::S3::Bucket")}
+    assert head_action["Args"][5] == {"Fn::Join": ["", ["s3://", bucket, "/cluster/cluster-requirements.txt"]]}
 
 
 def node_policy(env: Synthesized, which: str) -> dict[str, Any]:

@@ -111,6 +111,7 @@ def custom_resource_properties(site: Site, mount: Path, recipe: str, recipe_over
             "SourceBucket": "results-bucket",
             "SourceKey": f"pipeline/source/{SOURCE_HASH}/",
             "SourceHash": SOURCE_HASH,
+            "Run": "1",
             "SiteSettings": json.dumps(site.model_dump(mode="json")),
             "FileSystemId": "fs-0123456789abcdef0",
             "FileSystemMountDir": str(mount),

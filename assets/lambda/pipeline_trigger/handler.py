@@ -7,10 +7,11 @@ waits for training. Every wait is bounded by the `TimeoutSeconds` property, and 
 with a one-line reason on the poll that sees it.
 
 - Create / Update: send one `AWS-RunShellScript` command to the head node that fetches the source (a zip,
-  or a prefix of files) onto the shared file system once per SourceHash, writes the site file and submits
-  the run; succeed when the command has printed the run record. The run id is derived from what makes a
-  run different (recipe, overrides, source hash), so an Update that changes none of them does nothing,
-  and one that does submits a new run next to the old one, which is left alone.
+  or a prefix of files) onto the shared file system once per SourceHash, brings the shared environment up
+  to date with the source's requirement set, writes the site file and submits the run; succeed when the
+  command has printed the run record. The run id is derived from what the environment file says about the
+  run (its number, recipe and overrides), never from the code: an Update that changes only the code does
+  nothing, and one that changes the run submits a new run next to the old one, which is left alone.
 - Delete: cancel the run's jobs when the head node is still reachable (skip it when it is not; a cancel
   that fails stops the Delete with its reason), then export the runs directory from the file system to
   its S3 data repository.
@@ -67,12 +68,15 @@ class Props:
     head_node: str
     cluster: str
     start_run: bool
+    run: str
     recipe: str
     overrides: tuple[str, ...]
     source_bucket: str
     source_key: str
     source_hash: str
     site: dict[str, Any]
+    shared_env: str | None  # the environment to bring up to date before submitting; None: left as it is
+    neuron_release: str | None
     file_system_id: str
     mount_dir: str
     output_bucket: str
@@ -135,16 +139,29 @@ def parse_properties(raw: Mapping[str, Any]) -> Props:
         ) from None
     if timeout < 60:
         raise ValueError(f"property TimeoutSeconds must be at least 60, got {timeout}")
+    run = text("Run")
+    if not SAFE_NAME.match(run):
+        raise ValueError(f"property Run must be letters, digits, '.', '_' or '-', got {run!r}")
+    shared_env, neuron_release = raw.get("SharedEnvironmentPath"), raw.get("NeuronRelease")
+    if (shared_env is None) != (neuron_release is None):
+        raise ValueError("properties SharedEnvironmentPath and NeuronRelease go together: give both or neither")
+    if shared_env is not None and (not isinstance(shared_env, str) or not SAFE_PATH.match(shared_env)):
+        raise ValueError(f"property SharedEnvironmentPath must be an absolute path, got {shared_env!r}")
+    if neuron_release is not None and not re.fullmatch(r"\d+\.\d+\.\d+", str(neuron_release)):
+        raise ValueError(f"property NeuronRelease must look like 2.28.1, got {neuron_release!r}")
     return Props(
         head_node=text("HeadNodeInstanceId"),
         cluster=text("ClusterName"),
         start_run=start_run(raw),
+        run=run,
         recipe=text("Recipe"),
         overrides=overrides,
         source_bucket=text("SourceBucket"),
         source_key=text("SourceKey"),
         source_hash=source_hash,
         site=site,
+        shared_env=shared_env,
+        neuron_release=None if neuron_release is None else str(neuron_release),
         file_system_id=text("FileSystemId"),
         mount_dir=mount_dir,
         output_bucket=text("OutputBucket"),
@@ -157,13 +174,13 @@ def parse_properties(raw: Mapping[str, Any]) -> Props:
 # --- Pure parts: run id, paths, scripts, output parsing ---------------------------------------------------
 
 
-def derive_run_id(environment: str, recipe: str, overrides: Sequence[str], source_hash: str) -> str:
-    """`<env>-<recipe>-<sha256 of [recipe, overrides, source hash]>[:10]`: the same inputs, the same run.
+def derive_run_id(environment: str, recipe: str, overrides: Sequence[str], run: str) -> str:
+    """`<env>-<recipe>-<sha256 of [run, recipe, overrides]>[:10]`: the same run settings, the same run.
 
     Sanitised to what `python -m training submit --run-id` accepts (letters, digits, '.', '_', '-', at
     most 64, starting with a letter or digit); the prefix is shortened, never the digest.
     """
-    digest = hashlib.sha256(json.dumps([recipe, list(overrides), source_hash]).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(json.dumps([run, recipe, list(overrides)]).encode()).hexdigest()[:10]
     prefix = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{environment}-{recipe}").lstrip("._-")[:53].rstrip("._-")
     return f"{prefix or 'run'}-{digest}"
 
@@ -174,7 +191,7 @@ def safe_name(text: str) -> str:
 
 
 def run_id_of(props: Props) -> str:
-    return derive_run_id(props.environment, props.recipe, props.overrides, props.source_hash)
+    return derive_run_id(props.environment, props.recipe, props.overrides, props.run)
 
 
 @dataclass(frozen=True)
@@ -208,6 +225,24 @@ def site_file_text(site: Mapping[str, Any], source_dir: str) -> str:
     setup = [f"export PYTHONPATH={shlex.quote(source_dir)}${{PYTHONPATH:+:${{PYTHONPATH}}}}"]
     setup += [str(line) for line in site.get("setup") or []]
     return json.dumps({**site, "setup": setup}, sort_keys=True)
+
+
+# Where the shipped source keeps the node bootstrap and the cluster's locked requirement set.
+BOOTSTRAP_IN_SOURCE = "assets/node/on_node_configured.sh"
+LOCK_IN_SOURCE = "assets/node/cluster-requirements.txt"
+
+
+def environment_sync_lines(props: Props) -> list[str]:
+    """Rebuild the shared environment when the source's requirement set differs from the one it was built
+    with (the bootstrap's `--env-only`: a no-op when it matches; jobs on the old build keep it)."""
+    if props.shared_env is None or props.neuron_release is None:
+        return []
+    q = shlex.quote
+    return [
+        f'bash "$source_dir/{BOOTSTRAP_IN_SOURCE}" --env-only --node-type head'
+        f" --neuron-release {q(props.neuron_release)} --shared-env {q(props.shared_env)}"
+        f' --requirements "$source_dir/{LOCK_IN_SOURCE}"',
+    ]
 
 
 PRINT_RUN = (
@@ -267,6 +302,7 @@ def submit_script(props: Props, run_id: str) -> str:
         *fetch_source_lines(props),
         '  mv -T "$staging/tree" "$source_dir" || [[ -d "$source_dir" ]]',  # a concurrent run may have won
         "fi",
+        *environment_sync_lines(props),
         f'mkdir -p "$(dirname "$site_file")" {q(paths.runs_root)}',
         "# shellcheck disable=SC2016  # the setup line's ${PYTHONPATH...} expands in the jobs, not here",
         f"printf '%s\\n' {q(site_file_text(props.site, paths.source_dir))} >\"$site_file.$$\"",
