@@ -10,6 +10,7 @@ from aws_cdk import Aws, CfnStack, CustomResource, Fn, RemovalPolicy
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_fsx as fsx
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_s3_assets as s3_assets
 from aws_cdk import aws_s3_deployment as s3_deployment
@@ -79,6 +80,7 @@ class Cluster(Construct):
         security_group: ec2.ISecurityGroup,
         file_system: fsx.IFileSystem,
         node_files_bucket: s3.IBucket,
+        deployment_logs: logs.ILogGroup,
         head_node_access: Sequence[iam.PolicyStatement],
         compute_node_access: Sequence[iam.PolicyStatement],
     ) -> None:
@@ -92,7 +94,8 @@ class Cluster(Construct):
             sources=[s3_deployment.Source.asset(str(LOCK.parent), exclude=["*", f"!{LOCK.name}"])],
             destination_bucket=node_files_bucket,
             destination_key_prefix=NODE_FILES_PREFIX,
-            memory_limit=512,  # shares the stack's one BucketDeployment handler
+            memory_limit=512,  # shares the stack's one BucketDeployment handler, and its log group
+            log_group=deployment_logs,
         )
         requirements_uri = f"s3://{node_files_bucket.bucket_name}/{NODE_FILES_PREFIX}{LOCK.name}"
         self.head_node_policy = self._node_policy(

@@ -39,6 +39,9 @@ NEURON_OPERATING_SYSTEMS = ("ubuntu2204", "ubuntu2404")
 CLUSTER_NAME_PATTERN = re.compile(r"^[a-zA-Z][a-zA-Z0-9-]{0,59}$")
 REGION_PATTERN = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d+$")
 ENVIRONMENT_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,30}$")
+ZONE_ID_PATTERN = re.compile(r"^([a-z]+[0-9]+)-az[0-9]+$")
+# How a zone ID abbreviates a region's direction words (us-west-2 -> usw2, ap-northeast-1 -> apne1).
+ZONE_ID_DIRECTIONS = {"northeast": "ne", "northwest": "nw", "southeast": "se", "southwest": "sw"}
 SCRATCH_2_SMALL_CAPACITY_GIB = 1200
 SCRATCH_2_CAPACITY_STEP_GIB = 2400
 # CloudWatch Logs' retention periods, once: the type of `logging.retention_days` and its allowed values.
@@ -68,6 +71,35 @@ class HeadNodeConfig(StrictModel):
     root_volume_gib: RootVolumeGib = 1024
 
 
+CapacityType = Literal["on-demand", "spot", "reservation", "capacity-block"]
+RESERVATION_ID_PATTERN = r"^cr-[0-9a-f]{17}$"
+RESOURCE_GROUP_ARN_PATTERN = r"^arn:aws[a-z-]*:resource-groups:[a-z0-9-]+:\d{12}:group/[A-Za-z0-9_.-]{1,128}$"
+# What ParallelCluster calls each kind of capacity (SlurmQueues[].CapacityType).
+PARALLELCLUSTER_CAPACITY_TYPES: dict[str, str] = {
+    "on-demand": "ONDEMAND",
+    "spot": "SPOT",
+    "reservation": "ONDEMAND",  # an on-demand capacity reservation: on-demand nodes launched into it
+    "capacity-block": "CAPACITY_BLOCK",
+}
+
+
+class CapacityConfig(StrictModel):
+    """How the compute nodes' capacity is bought: on demand, spot, an on-demand capacity reservation (by id or
+    resource group) or an EC2 Capacity Block for ML (by its reservation id)."""
+
+    type: Annotated[CapacityType, Allowed("on-demand, spot, reservation or capacity-block")] = "on-demand"
+    reservation_id: Annotated[
+        str | None,
+        Field(strict=True, pattern=RESERVATION_ID_PATTERN),
+        Allowed("a reservation id such as cr-0123456789abcdef0"),
+    ] = Field(None, description="the on-demand capacity reservation or the Capacity Block (cr-...)")
+    resource_group_arn: Annotated[
+        str | None,
+        Field(strict=True, pattern=RESOURCE_GROUP_ARN_PATTERN),
+        Allowed("a resource group ARN such as arn:aws:resource-groups:us-west-2:123456789012:group/trn1-odcrs"),
+    ] = Field(None, description="a resource group of on-demand capacity reservations (type reservation only)")
+
+
 class ComputeConfig(StrictModel):
     instance_type: Str = Field("trn1.32xlarge", json_schema_extra={"enum": list(COMPUTE_INSTANCE_TYPES)})
     queue_name: Annotated[
@@ -79,15 +111,27 @@ class ComputeConfig(StrictModel):
     max_count: Annotated[int, Field(strict=True, ge=1), Allowed("1 or more")] = 4
     efa: Bool = True
     placement_group: Bool | None = Field(
-        None, description="omit to follow efa (ParallelCluster needs it explicit when EFA is on)"
+        None,
+        description="omit to follow efa on on-demand and spot capacity; reserved capacity brings its own placement",
     )
-    capacity_type: Literal["ONDEMAND", "SPOT", "CAPACITY_BLOCK"] = "ONDEMAND"
+    capacity: CapacityConfig = CapacityConfig()
     root_volume_gib: RootVolumeGib = 1024
     scaledown_idle_minutes: Annotated[int, Field(strict=True, ge=1), Allowed("1 or more minutes")] = 10
 
     @property
     def placement_group_enabled(self) -> bool:
-        return self.efa if self.placement_group is None else self.placement_group
+        """A new placement group for EFA nodes, unless the capacity is reserved: a reservation is placed where it
+        was bought, and a group of ours would only cause insufficient-capacity errors (ParallelCluster's rule)."""
+        if self.placement_group is not None:
+            return self.placement_group
+        return self.efa and self.capacity.type in ("on-demand", "spot")
+
+    @property
+    def node_counts(self) -> tuple[int, int]:
+        """(MinCount, MaxCount): every node of a Capacity Block is paid for, so they are all static."""
+        if self.capacity.type == "capacity-block":
+            return self.max_count, self.max_count
+        return self.min_count, self.max_count
 
 
 class StorageConfig(StrictModel):
@@ -123,7 +167,9 @@ class EnvironmentConfig(StrictModel):
 
     name: SkipJsonSchema[str] = Field(exclude=True, description="from the file name")
     region: Str
-    availability_zone: Str
+    availability_zone: Str = Field(
+        description="a zone name (us-west-2d) or, the same physical zone in every account, a zone ID (usw2-az4)"
+    )
     cluster_name: Str
     os: Str = "ubuntu2204"
     network: NetworkConfig = NetworkConfig()
@@ -137,6 +183,16 @@ class EnvironmentConfig(StrictModel):
     @property
     def stack_name(self) -> str:
         return f"trainium-{self.name}"
+
+    @property
+    def zone_is_id(self) -> bool:
+        return ZONE_ID_PATTERN.match(self.availability_zone) is not None
+
+
+def zone_id_prefix(region: str) -> str:
+    """The prefix of `region`'s zone IDs: us-west-2 -> usw2, ap-northeast-1 -> apne1, us-gov-west-1 -> usgw1."""
+    first, *words, number = region.split("-")
+    return first + "".join(ZONE_ID_DIRECTIONS.get(word, word[:1]) for word in words) + number
 
 
 def load_environment(name: str, directory: Path = ENVIRONMENTS_DIR) -> EnvironmentConfig:
@@ -167,8 +223,21 @@ def validate(config: EnvironmentConfig) -> list[str]:
 
     if not REGION_PATTERN.match(config.region):
         bad("region", config.region, "an AWS region code such as 'us-west-2'")
-    if not re.fullmatch(re.escape(config.region) + r"[a-z]", config.availability_zone):
-        bad("availability_zone", config.availability_zone, f"a zone of {config.region}, e.g. '{config.region}d'")
+    zone_id = ZONE_ID_PATTERN.match(config.availability_zone)
+    if zone_id is not None and REGION_PATTERN.match(config.region):
+        if zone_id.group(1) != zone_id_prefix(config.region):
+            bad(
+                "availability_zone",
+                config.availability_zone,
+                f"a zone ID of {config.region} ({zone_id_prefix(config.region)}-az1, ...) or a zone name",
+            )
+    elif not re.fullmatch(re.escape(config.region) + r"[a-z]", config.availability_zone):
+        bad(
+            "availability_zone",
+            config.availability_zone,
+            f"a zone of {config.region}: a name such as '{config.region}d' or a zone ID such as "
+            f"'{zone_id_prefix(config.region) if REGION_PATTERN.match(config.region) else 'usw2'}-az4'",
+        )
     if not CLUSTER_NAME_PATTERN.match(config.cluster_name):
         bad(
             "cluster_name",
@@ -207,14 +276,7 @@ def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, st
     facts = COMPUTE_INSTANCE_TYPES.get(compute.instance_type)
     if facts is None:
         bad("compute.instance_type", compute.instance_type, ", ".join(COMPUTE_INSTANCE_TYPES))
-    if compute.capacity_type == "CAPACITY_BLOCK":
-        # ParallelCluster needs the block's reservation id and MinCount = MaxCount > 0 for it, which this file
-        # cannot express yet: refused here rather than by ParallelCluster halfway through a deploy.
-        bad(
-            "compute.capacity_type",
-            compute.capacity_type,
-            "ONDEMAND or SPOT (a Capacity Block needs its reservation id, not yet supported)",
-        )
+    _validate_capacity(compute, bad)
     if compute.min_count > compute.max_count:
         bad("compute.min_count", compute.min_count, f"at most compute.max_count ({compute.max_count})")
     if facts is None:
@@ -228,12 +290,40 @@ def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, st
         else:
             allowed = f"1, since {compute.instance_type} has no EFA for multi-node training"
         bad("compute.max_count", compute.max_count, allowed)
-    if compute.placement_group is False and compute.efa:
+    if compute.placement_group is False and compute.efa and compute.capacity.type in ("on-demand", "spot"):
         bad(
             "compute.placement_group",
             False,
             "true (or omit) when EFA is on; EFA nodes belong in one placement group",
         )
+
+
+def _validate_capacity(compute: ComputeConfig, bad: typing.Callable[[str, Any, str], None]) -> None:
+    capacity = compute.capacity
+    reservation, group = capacity.reservation_id, capacity.resource_group_arn
+    if capacity.type in ("on-demand", "spot"):
+        for key, value in (("reservation_id", reservation), ("resource_group_arn", group)):
+            if value is not None:
+                bad(f"compute.capacity.{key}", value, f"nothing for {capacity.type} capacity (type: reservation?)")
+    elif capacity.type == "reservation" and (reservation is None) == (group is None):
+        bad(
+            "compute.capacity",
+            {k: v for k, v in (("reservation_id", reservation), ("resource_group_arn", group)) if v},
+            "exactly one of reservation_id or resource_group_arn for type reservation",
+        )
+    elif capacity.type == "capacity-block":
+        if reservation is None:
+            bad("compute.capacity.reservation_id", None, "the Capacity Block's reservation id (cr-...)")
+        if group is not None:
+            bad("compute.capacity.resource_group_arn", group, "nothing for a Capacity Block (reservation_id only)")
+        if compute.min_count not in (0, compute.max_count):
+            bad(
+                "compute.min_count",
+                compute.min_count,
+                f"omit it: every node of a Capacity Block is static (min = max_count = {compute.max_count})",
+            )
+        if compute.placement_group:
+            bad("compute.placement_group", True, "false or omit: a Capacity Block is already placed together")
 
 
 def _display_path(path: Path) -> str:

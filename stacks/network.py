@@ -22,6 +22,7 @@ class Network(Construct):
         *,
         vpc_cidr: str,
         availability_zone: str,
+        zone_is_id: bool,
         log_retention_days: int,
     ) -> None:
         super().__init__(scope, construct_id)
@@ -43,8 +44,22 @@ class Network(Construct):
             destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),
             traffic_type=ec2.FlowLogTrafficType.REJECT,
         )
+        if zone_is_id:
+            # A zone ID names the same physical zone in every account (Capacity Blocks and reservations are
+            # sold by zone ID); CDK places subnets by zone name, so the subnets are given the ID instead.
+            for subnet in (*self.vpc.public_subnets, *self.vpc.private_subnets):
+                cfn_subnet = subnet.node.default_child
+                assert isinstance(cfn_subnet, ec2.CfnSubnet)
+                cfn_subnet.add_property_deletion_override("AvailabilityZone")
+                cfn_subnet.add_property_override("AvailabilityZoneId", availability_zone)
         self.private_subnet = self.vpc.private_subnets[0]
-        _accept_redundant_dependency_of_default_group_handler(Stack.of(self))
+        handler = _default_group_handler(Stack.of(self))
+        if handler is not None:
+            # CDK's handler that empties the default security group: its logs go to a group of this stack
+            # (the one Lambda would create outlives the stack), and it carries one scoped cfn-lint exception.
+            handler_logs = log_group_with_retention(self, "DefaultGroupHandlerLogs", log_retention_days)
+            handler.add_property_override("LoggingConfig", {"LogGroup": handler_logs.log_group_name})
+            handler.add_metadata("cfn-lint", {"config": {"ignore_checks": ["W3005"]}})
 
         self.cluster_security_group = ec2.SecurityGroup(
             self,
@@ -68,13 +83,12 @@ class Network(Construct):
         )
 
 
-def _accept_redundant_dependency_of_default_group_handler(stack: Stack) -> None:
-    """Scope one cfn-lint exception to the Lambda CDK generates for `restrictDefaultSecurityGroup`.
+def _default_group_handler(stack: Stack) -> CfnResource | None:
+    """The Lambda CDK generates for `restrictDefaultSecurityGroup` (one per stack).
 
-    CDK writes both `DependsOn` and `Fn::GetAtt` from that handler to its role; cfn-lint's W3005 flags the
-    redundancy. It is harmless and not ours to change, so only that resource ignores only that rule.
+    CDK writes both `DependsOn` and `Fn::GetAtt` from it to its role; cfn-lint's W3005 flags the redundancy.
+    It is harmless and not ours to change, so only that resource ignores only that rule.
     """
     provider = stack.node.try_find_child("Custom::VpcRestrictDefaultSGCustomResourceProvider")
     handler = provider.node.try_find_child("Handler") if provider else None
-    if isinstance(handler, CfnResource):
-        handler.add_metadata("cfn-lint", {"config": {"ignore_checks": ["W3005"]}})
+    return handler if isinstance(handler, CfnResource) else None

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stacks.config import ComputeConfig, HeadNodeConfig
+from stacks.config import PARALLELCLUSTER_CAPACITY_TYPES, ComputeConfig, HeadNodeConfig
 
 SSM_MANAGED_INSTANCE_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
 
@@ -66,24 +66,27 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
     }
     if settings.ssh_key_name:
         head_node["Ssh"] = {"KeyName": settings.ssh_key_name}
+    min_count, max_count = compute.node_counts
+    compute_resource: dict[str, Any] = {
+        "Name": _compute_resource_name(compute.instance_type),
+        "InstanceType": compute.instance_type,
+        "MinCount": min_count,
+        "MaxCount": max_count,
+        "Efa": {"Enabled": compute.efa},
+    }
+    target = capacity_reservation_target(compute)
+    if target:
+        compute_resource["CapacityReservationTarget"] = target
     queue = {
         "Name": compute.queue_name,
-        "CapacityType": compute.capacity_type,
+        "CapacityType": PARALLELCLUSTER_CAPACITY_TYPES[compute.capacity.type],
         "Networking": {
             "SubnetIds": [resources.compute_subnet_id],
             "SecurityGroups": [resources.security_group_id],
             "PlacementGroup": {"Enabled": compute.placement_group_enabled},
         },
         "ComputeSettings": {"LocalStorage": {"RootVolume": {"Size": compute.root_volume_gib, "Encrypted": True}}},
-        "ComputeResources": [
-            {
-                "Name": _compute_resource_name(compute.instance_type),
-                "InstanceType": compute.instance_type,
-                "MinCount": compute.min_count,
-                "MaxCount": compute.max_count,
-                "Efa": {"Enabled": compute.efa},
-            }
-        ],
+        "ComputeResources": [compute_resource],
         "CustomActions": bootstrap,
         "Iam": {"AdditionalIamPolicies": [{"Policy": resources.compute_node_policy_arn}]},
         # Trainium jobs own whole nodes; sharing a node between jobs would split its NeuronCores.
@@ -123,6 +126,15 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
     if settings.tags:
         cluster["Tags"] = [{"Key": key, "Value": value} for key, value in sorted(settings.tags.items())]
     return cluster
+
+
+def capacity_reservation_target(compute: ComputeConfig) -> dict[str, str]:
+    """ParallelCluster's CapacityReservationTarget for reserved capacity; empty for on-demand and spot."""
+    if compute.capacity.reservation_id:
+        return {"CapacityReservationId": compute.capacity.reservation_id}
+    if compute.capacity.resource_group_arn:
+        return {"CapacityReservationResourceGroupArn": compute.capacity.resource_group_arn}
+    return {}
 
 
 def _compute_resource_name(instance_type: str) -> str:

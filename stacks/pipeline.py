@@ -19,6 +19,7 @@ from aws_cdk import CustomResource, Duration, IgnoreStrategy, Stack
 from aws_cdk import aws_fsx as fsx
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_s3_deployment as s3_deployment
 from aws_cdk import aws_stepfunctions as sfn
@@ -109,6 +110,7 @@ class Pipeline(Construct):
         file_system: fsx.IFileSystem,
         file_system_mount_dir: str,
         head_node_instance_id: str,
+        deployment_logs: logs.ILogGroup,
         handler_access: Sequence[iam.PolicyStatement],
     ) -> None:
         super().__init__(scope, construct_id)
@@ -123,6 +125,7 @@ class Pipeline(Construct):
             prune=False,  # earlier commits' sources stay: their runs may still read them
             retain_on_delete=True,
             memory_limit=512,
+            log_group=deployment_logs,  # the handler's own log group would outlive the stack, unexpiring
         )
 
         handler_code = lambda_.Code.from_asset(str(HANDLER_DIR), exclude=["__pycache__", "*.pyc"])

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from aws_cdk import Aws, RemovalPolicy
+from aws_cdk import Aws, Duration, RemovalPolicy
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_fsx as fsx
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
+NONCURRENT_VERSION_DAYS = 30
+INCOMPLETE_UPLOAD_DAYS = 7
 # Lustre server ports FSx documents for client and intra-file-system traffic.
 LUSTRE_PORTS = (ec2.Port.tcp(988), ec2.Port.tcp_range(1018, 1023))
 
@@ -41,6 +43,15 @@ class Storage(Construct):
             versioned=True,
             object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
             removal_policy=RemovalPolicy.RETAIN,
+            # Versioning protects results from an overwrite; old versions and abandoned multipart uploads
+            # (an interrupted export of a large checkpoint) would otherwise bill forever.
+            lifecycle_rules=[
+                s3.LifecycleRule(
+                    id="ExpireOldVersionsAndAbandonedUploads",
+                    noncurrent_version_expiration=Duration.days(NONCURRENT_VERSION_DAYS),
+                    abort_incomplete_multipart_upload_after=Duration.days(INCOMPLETE_UPLOAD_DAYS),
+                )
+            ],
         )
 
         self.file_system_security_group = ec2.SecurityGroup(

@@ -11,6 +11,7 @@ from constructs import Construct
 
 from stacks.cluster import Cluster, bootstrap_neuron_release
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
+from stacks.log_groups import log_group_with_retention
 from stacks.network import Network
 from stacks.pcluster_config import ClusterSettings
 from stacks.pipeline import SSM_OUTPUT_PREFIX, Pipeline, SharedEnvironment
@@ -62,6 +63,7 @@ class TrainingEnvironmentStack(Stack):
             "Network",
             vpc_cidr=config.network.vpc_cidr,
             availability_zone=config.availability_zone,
+            zone_is_id=config.zone_is_id,
             log_retention_days=retention_days,
         )
         self.storage = Storage(
@@ -74,6 +76,8 @@ class TrainingEnvironmentStack(Stack):
             client_security_group=self.network.cluster_security_group,  # the Lustre ports open to the nodes
         )
         neuron_release = bootstrap_neuron_release()
+        # One log group for the stack's one BucketDeployment handler (the code and the node files).
+        deployment_logs = log_group_with_retention(self, "DeploymentLogs", retention_days)
         self.cluster = Cluster(
             self,
             "Cluster",
@@ -87,6 +91,7 @@ class TrainingEnvironmentStack(Stack):
             security_group=self.network.cluster_security_group,
             file_system=self.storage.file_system,
             node_files_bucket=self.storage.bucket,
+            deployment_logs=deployment_logs,
             # Nodes read the bucket. The head node writes the SSM command output the pipeline reads back;
             # compute nodes write results: the export stage runs there.
             head_node_access=self.storage.results_access(write_prefixes=(SSM_OUTPUT_PREFIX,)),
@@ -112,6 +117,7 @@ class TrainingEnvironmentStack(Stack):
             file_system=self.storage.file_system,
             file_system_mount_dir=config.storage.mount_dir,
             head_node_instance_id=head_node,
+            deployment_logs=deployment_logs,
             # Commands to this cluster's head node, their output in the bucket, exports of the file system.
             handler_access=[
                 *self.cluster.head_node_command_access(),

@@ -71,7 +71,7 @@ RULES = {
     "unknown key": (
         {"compute.gpus": 8},
         "environments-under-test/candidate.yaml: compute.gpus: unknown key; allowed keys here: "
-        "instance_type, queue_name, min_count, max_count, efa, placement_group, capacity_type, "
+        "instance_type, queue_name, min_count, max_count, efa, placement_group, capacity, "
         "root_volume_gib, scaledown_idle_minutes",
     ),
     "unknown top-level key": (
@@ -150,7 +150,12 @@ RULES = {
     "availability zone outside the region": (
         {"availability_zone": "us-east-1a"},
         "environments-under-test/candidate.yaml: availability_zone: 'us-east-1a' is not allowed; "
-        "allowed: a zone of us-west-2, e.g. 'us-west-2d'",
+        "allowed: a zone of us-west-2: a name such as 'us-west-2d' or a zone ID such as 'usw2-az4'",
+    ),
+    "zone ID of another region": (
+        {"availability_zone": "use1-az4"},
+        "environments-under-test/candidate.yaml: availability_zone: 'use1-az4' is not allowed; "
+        "allowed: a zone ID of us-west-2 (usw2-az1, ...) or a zone name",
     ),
     "os rejected by parallelcluster": (
         {"os": "ubuntu2004"},
@@ -178,14 +183,52 @@ RULES = {
         "[1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653]",
     ),
     "capacity block without its reservation": (
-        {"compute.capacity_type": "CAPACITY_BLOCK"},
-        "environments-under-test/candidate.yaml: compute.capacity_type: 'CAPACITY_BLOCK' is not allowed; "
-        "allowed: ONDEMAND or SPOT (a Capacity Block needs its reservation id, not yet supported)",
+        {"compute.capacity": {"type": "capacity-block"}},
+        "environments-under-test/candidate.yaml: compute.capacity.reservation_id: None is not allowed; "
+        "allowed: the Capacity Block's reservation id (cr-...)",
+    ),
+    "capacity block with dynamic nodes": (
+        {
+            "compute.capacity": {"type": "capacity-block", "reservation_id": "cr-0123456789abcdef0"},
+            "compute.min_count": 2,
+        },
+        "environments-under-test/candidate.yaml: compute.min_count: 2 is not allowed; "
+        "allowed: omit it: every node of a Capacity Block is static (min = max_count = 4)",
+    ),
+    "capacity block in a placement group": (
+        {
+            "compute.capacity": {"type": "capacity-block", "reservation_id": "cr-0123456789abcdef0"},
+            "compute.placement_group": True,
+        },
+        "environments-under-test/candidate.yaml: compute.placement_group: True is not allowed; "
+        "allowed: false or omit: a Capacity Block is already placed together",
+    ),
+    "reservation by both id and group": (
+        {
+            "compute.capacity": {
+                "type": "reservation",
+                "reservation_id": "cr-0123456789abcdef0",
+                "resource_group_arn": "arn:aws:resource-groups:us-west-2:123456789012:group/trn1",
+            }
+        },
+        "environments-under-test/candidate.yaml: compute.capacity: {'reservation_id': 'cr-0123456789abcdef0', "
+        "'resource_group_arn': 'arn:aws:resource-groups:us-west-2:123456789012:group/trn1'} is not allowed; "
+        "allowed: exactly one of reservation_id or resource_group_arn for type reservation",
+    ),
+    "reservation id on on-demand capacity": (
+        {"compute.capacity": {"reservation_id": "cr-0123456789abcdef0"}},
+        "environments-under-test/candidate.yaml: compute.capacity.reservation_id: 'cr-0123456789abcdef0' is not "
+        "allowed; allowed: nothing for on-demand capacity (type: reservation?)",
+    ),
+    "malformed reservation id": (
+        {"compute.capacity": {"type": "capacity-block", "reservation_id": "cb-123"}},
+        "environments-under-test/candidate.yaml: compute.capacity.reservation_id: 'cb-123' is not allowed; "
+        "allowed: a reservation id such as cr-0123456789abcdef0",
     ),
     "capacity type": (
-        {"compute.capacity_type": "RESERVED"},
-        "environments-under-test/candidate.yaml: compute.capacity_type: 'RESERVED' is not allowed; "
-        "allowed: ONDEMAND, SPOT, CAPACITY_BLOCK",
+        {"compute.capacity": {"type": "RESERVED"}},
+        "environments-under-test/candidate.yaml: compute.capacity.type: 'RESERVED' is not allowed; "
+        "allowed: on-demand, spot, reservation or capacity-block",
     ),
 }
 

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from aws_cdk import App
 
-from stacks.application import ENVIRONMENTS_DIR
+from stacks.application import ENVIRONMENTS_DIR, build_app
 from stacks.cluster import (
     BOOTSTRAP_SCRIPT,
     bootstrap_arguments,
@@ -26,8 +30,8 @@ from stacks.config import load_environment
 from stacks.pcluster_config import ClusterResources, build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
 from stacks.training_environment import cluster_settings
-from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized
-from tests.support.pcluster_offline import errors_of, validate_cluster_config
+from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized, cdk_json_context
+from tests.support.pcluster_offline import errors_of, run_offline_validation, validate_cluster_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -120,6 +124,44 @@ def security_groups_of(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return groups
 
 
+def subnet_zones_of(template: dict[str, Any], region: str) -> dict[str, str]:
+    """Each subnet's zone name. A subnet placed by zone ID gets `<region>a`: which name an account gives that
+    zone is known only to the account (the same physical zone is what matters, and reservations below are
+    placed by the same rule)."""
+    resources = template["Resources"]
+    return {
+        resolve({"Ref": name}, resources): str(r["Properties"].get("AvailabilityZone") or f"{region}a")
+        for name, r in resources.items()
+        if r["Type"] == "AWS::EC2::Subnet"
+    }
+
+
+def account_of(env: Synthesized) -> dict[str, Any]:
+    """What the account holds once the template is deployed, answered from the template itself."""
+    return {
+        "security_groups": security_groups_of(env.template),
+        "subnet_azs": subnet_zones_of(env.template, env.config.region),
+    }
+
+
+def reservation(
+    reservation_id: str, *, instance_type: str, zone: str, count: int, kind: str = "default"
+) -> dict[str, Any]:
+    """A capacity reservation as DescribeCapacityReservations returns it (kind 'capacity-block' for a block)."""
+    return {
+        "CapacityReservationId": reservation_id,
+        "InstanceType": instance_type,
+        "InstancePlatform": "Linux/UNIX",
+        "AvailabilityZone": zone,
+        "TotalInstanceCount": count,
+        "AvailableInstanceCount": count,
+        "State": "active" if kind == "default" else "scheduled",
+        "ReservationType": kind,
+        "InstanceMatchCriteria": "targeted",
+        "Tenancy": "default",
+    }
+
+
 @pytest.mark.parametrize("env_name", ENVIRONMENT_NAMES)
 def test_synthesized_configuration_passes_parallelcluster_validation(
     env_name: str, synthesized: dict[str, Synthesized]
@@ -127,13 +169,11 @@ def test_synthesized_configuration_passes_parallelcluster_validation(
     env = synthesized[env_name]
     configuration = resolved_configuration(env)
     assert not re.search(r"\$\{|Fn::|\"Ref\"", repr(configuration))
-    findings = validate_cluster_config(
-        configuration,
-        cluster_name=env.config.cluster_name,
-        region=env.config.region,
-        security_groups=security_groups_of(env.template),
+    report = run_offline_validation(
+        configuration, cluster_name=env.config.cluster_name, region=env.config.region, **account_of(env)
     )
-    assert errors_of(findings) == []
+    assert errors_of(report.findings) == []
+    assert {"SecurityGroupsValidator", "EfaSecurityGroupValidator"} <= set(report.executed_validators)
 
 
 def test_efa_needs_the_cluster_group_open_to_itself_both_ways(default_env: Synthesized) -> None:
@@ -145,9 +185,8 @@ def test_efa_needs_the_cluster_group_open_to_itself_both_ways(default_env: Synth
     outbound = groups[cluster_group]["IpPermissionsEgress"]
     assert any(p["IpProtocol"] == "-1" and {"GroupId": cluster_group} in p["UserIdGroupPairs"] for p in outbound)
     groups[cluster_group]["IpPermissionsEgress"] = [p for p in outbound if not p["UserIdGroupPairs"]]
-    findings = validate_cluster_config(
-        configuration, cluster_name="trn1-llama", region="us-west-2", security_groups=groups
-    )
+    account = account_of(default_env) | {"security_groups": groups}
+    findings = validate_cluster_config(configuration, cluster_name="trn1-llama", region="us-west-2", **account)
     assert [(f.validator, f.message[:32]) for f in errors_of(findings)] == [
         ("EfaSecurityGroupValidator", "An EFA requires a security group")
     ]
@@ -247,14 +286,94 @@ def test_cluster_installs_the_training_pins_only() -> None:
 
 
 def test_parallelcluster_rejects_a_capacity_block_without_its_reservation(default_env: Synthesized) -> None:
-    """Why the environment file refuses `capacity_type: CAPACITY_BLOCK` for now: the configuration it would
-    produce is rejected by ParallelCluster's own validators."""
+    """What the environment file refuses (a block without its reservation id and static nodes) is what
+    ParallelCluster's own validators reject."""
     configuration = resolved_configuration(default_env)
     configuration["Scheduling"]["SlurmQueues"][0]["CapacityType"] = "CAPACITY_BLOCK"
+    findings = validate_cluster_config(
+        configuration, cluster_name="trn1-llama", region="us-west-2", **account_of(default_env)
+    )
+    assert {f.validator for f in errors_of(findings)} == {"ComputeResourceSizeValidator", "CapacityTypeValidator"}
+
+
+BLOCK = "cr-0b10c0b10c0b10c0b"
+ODCR = "cr-0dc40dc40dc40dc40"
+GROUP = "arn:aws:resource-groups:us-west-2:123456789012:group/trn1-odcrs"
+CAPACITY_CASES = {
+    "capacity-block": {"compute": {"capacity": {"type": "capacity-block", "reservation_id": BLOCK}}},
+    "reservation": {"compute": {"capacity": {"type": "reservation", "reservation_id": ODCR}}},
+    "zone-id": {"availability_zone": "usw2-az4"},
+}
+
+
+def synthesize_variant(tmp_path: Path, changes: dict[str, Any]) -> Synthesized:
+    """default.yaml with `changes` merged in, synthesized for real."""
+    directory = tmp_path / "environments"
+    directory.mkdir()
+    data = yaml.safe_load((ENVIRONMENTS_DIR / "default.yaml").read_text())
+    for key, value in changes.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    (directory / "variant.yaml").write_text(yaml.safe_dump(data))
+    config = load_environment("variant", directory)
+    app = App(outdir=str(tmp_path / "cdk.out"), context=cdk_json_context())
+    stack = build_app(app, config)
+    app.synth()
+    template = json.loads((tmp_path / "cdk.out" / f"{stack.stack_name}.template.json").read_text())
+    return Synthesized(config=config, outdir=tmp_path / "cdk.out", template=template, validation_report={})
+
+
+@pytest.mark.parametrize("case", CAPACITY_CASES)
+def test_reserved_capacity_and_zone_ids_pass_parallelcluster_validation(case: str, tmp_path: Path) -> None:
+    """Each way of buying capacity, emitted as ParallelCluster expects and validated with the reservation as
+    the account holds it: the block's static nodes and no placement group, the reservation's target."""
+    env = synthesize_variant(tmp_path, CAPACITY_CASES[case])
+    configuration = resolved_configuration(env)
+    queue = configuration["Scheduling"]["SlurmQueues"][0]
+    (resource,) = queue["ComputeResources"]
+    zone = next(iter(subnet_zones_of(env.template, "us-west-2").values()))
+    reservations = {
+        BLOCK: reservation(BLOCK, instance_type="trn1.32xlarge", zone=zone, count=4, kind="capacity-block"),
+        ODCR: reservation(ODCR, instance_type="trn1.32xlarge", zone=zone, count=4),
+    }
+    report = run_offline_validation(
+        configuration,
+        cluster_name="trn1-llama",
+        region="us-west-2",
+        capacity_reservations=reservations,
+        **account_of(env),
+    )
+    assert errors_of(report.findings) == []
+    if case == "capacity-block":
+        assert queue["CapacityType"] == "CAPACITY_BLOCK" and resource["MinCount"] == resource["MaxCount"] == 4
+        assert resource["CapacityReservationTarget"] == {"CapacityReservationId": BLOCK}
+        assert queue["Networking"]["PlacementGroup"] == {"Enabled": False}
+        assert "CapacityReservationValidator" in report.executed_validators
+    elif case == "reservation":
+        assert queue["CapacityType"] == "ONDEMAND" and resource["MinCount"] == 0
+        assert resource["CapacityReservationTarget"] == {"CapacityReservationId": ODCR}
+        assert "CapacityReservationSizeValidator" in report.executed_validators
+    else:
+        subnets = [r for r in env.template["Resources"].values() if r["Type"] == "AWS::EC2::Subnet"]
+        assert {s["Properties"].get("AvailabilityZoneId") for s in subnets} == {"usw2-az4"}
+        assert all("AvailabilityZone" not in s["Properties"] for s in subnets)
+        assert "CapacityReservationTarget" not in resource
+
+
+def test_parallelcluster_rejects_a_reservation_of_another_type_zone_or_size(tmp_path: Path) -> None:
+    """Fed a reservation that does not fit what the environment file says, ParallelCluster says why: the check
+    the deploy would fail on, seen before it."""
+    env = synthesize_variant(tmp_path, CAPACITY_CASES["capacity-block"])
+    configuration = resolved_configuration(env)
+    wrong = reservation(BLOCK, instance_type="trn1n.32xlarge", zone="us-west-2b", count=2, kind="default")
     findings = validate_cluster_config(
         configuration,
         cluster_name="trn1-llama",
         region="us-west-2",
-        security_groups=security_groups_of(default_env.template),
+        capacity_reservations={BLOCK: wrong},
+        **account_of(env),
     )
-    assert {f.validator for f in errors_of(findings)} == {"ComputeResourceSizeValidator", "CapacityTypeValidator"}
+    messages = " | ".join(f.message for f in errors_of(findings))
+    assert "must have the same instance type as trn1.32xlarge" in messages
+    assert "must use the same availability zone" in messages
+    assert "is not a Capacity Block reservation" in messages
+    assert "is exceeding the total instances count available for the Capacity Reservation: 2" in messages

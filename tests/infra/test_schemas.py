@@ -61,7 +61,7 @@ MISTAKES = [
     (ENVIRONMENTS_DIR / "default.yaml", {"compute.gpus": 8}),
     (ENVIRONMENTS_DIR / "default.yaml", {"compute.max_count": "four"}),
     (ENVIRONMENTS_DIR / "default.yaml", {"compute.max_count": 0}),
-    (ENVIRONMENTS_DIR / "default.yaml", {"compute.capacity_type": "RESERVED"}),
+    (ENVIRONMENTS_DIR / "default.yaml", {"compute.capacity": {"type": "RESERVED"}}),
     (ENVIRONMENTS_DIR / "default.yaml", {"pipeline.timeout_minutes": 90}),
     (ENVIRONMENTS_DIR / "default.yaml", {"logging.retention_days": 10}),
     (ENVIRONMENTS_DIR / "default.yaml", {"storage.mount_dir": "fsx"}),

@@ -63,6 +63,37 @@ def test_flow_logs_go_to_a_log_group_deleted_with_the_stack(default_env: Synthes
     )
 
 
+def test_every_log_group_is_deleted_with_the_stack_and_every_function_logs_to_one(default_env: Synthesized) -> None:
+    """A Lambda function without a log group of the template logs to one Lambda creates, which never expires
+    and outlives `cdk destroy`."""
+    groups = default_env.resources_of_type("AWS::Logs::LogGroup")
+    assert groups and all(
+        g["DeletionPolicy"] == "Delete" and g["Properties"]["RetentionInDays"] for g in groups.values()
+    )
+    for name, function in default_env.resources_of_type("AWS::Lambda::Function").items():
+        log_group = function["Properties"].get("LoggingConfig", {}).get("LogGroup")
+        assert log_group == {"Ref": log_group["Ref"]} and log_group["Ref"] in groups, name
+
+
+def test_results_bucket_expires_old_versions_and_abandoned_uploads(default_env: Synthesized) -> None:
+    template_of(default_env).has_resource_properties(
+        "AWS::S3::Bucket",
+        {
+            "VersioningConfiguration": {"Status": "Enabled"},
+            "LifecycleConfiguration": {
+                "Rules": [
+                    {
+                        "Id": "ExpireOldVersionsAndAbandonedUploads",
+                        "Status": "Enabled",
+                        "NoncurrentVersionExpiration": {"NoncurrentDays": 30},
+                        "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 7},
+                    }
+                ]
+            },
+        },
+    )
+
+
 def test_cluster_group_allows_all_traffic_from_itself(default_env: Synthesized) -> None:
     group = next(
         name

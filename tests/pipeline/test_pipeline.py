@@ -288,3 +288,38 @@ def test_a_slurm_command_outside_the_site_prefix_is_not_found(site: Site, slurm:
         runs.submit(
             "tiny-llama-cpt", [], run_id="no-slurm", site=site.model_copy(update={"slurm_bin": None}), dry_run=False
         )
+
+
+def test_unavailable_nodes_are_one_line_per_reason() -> None:
+    reasons = (
+        "(Code:InsufficientInstanceCapacity)Failure when resuming nodes|down~|compute1-dy-trn1-[1-3]\n"
+        "(Code:InsufficientInstanceCapacity)Failure when resuming nodes|down~|compute1-dy-trn1-4\n"
+        "neuron devices missing|drained|compute1-st-trn1-1\n"
+    )
+    assert runs.unavailable_nodes(reasons) == (
+        "(Code:InsufficientInstanceCapacity)Failure when resuming nodes (down~): "
+        "compute1-dy-trn1-[1-3],compute1-dy-trn1-4; neuron devices missing (drained): compute1-st-trn1-1"
+    )
+    assert runs.unavailable_nodes("") is None
+
+
+def test_status_says_why_nodes_cannot_start(
+    slurm: Any,
+    sources: dict[str, dict[str, Path]],
+    site: Site,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A node ParallelCluster could not launch is DOWN with its launch error as the reason: a run waiting for
+    it shows that reason in one line of `training status`."""
+    reason = "(Code:InsufficientInstanceCapacity)Failure when resuming nodes"
+    node = slurm.nodes[-1]
+    slurm.run("scontrol", "update", f"NodeName={node}", "State=DOWN", f"Reason={reason}")
+    try:
+        run_dir = run("tiny-llama-cpt", sources["llama"], site, "llama-no-capacity", "steps=2", "nodes=3")
+        runs.print_status(run_dir)
+        runs.cancel(run_dir)
+    finally:
+        slurm.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
+    printed = capsys.readouterr().out.splitlines()
+    expected = f"nodes of partition (default) cannot start: {reason} (down): {node}"
+    assert expected in printed, printed

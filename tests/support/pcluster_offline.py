@@ -19,7 +19,9 @@ Nothing in pcluster is patched. The AWS boundary is replaced instead:
 * the list of supported regions, which pcluster downloads over HTTPS from S3, is served from the copy
   bundled in the package (pcluster's own fallback);
 * DescribeSecurityGroups, when the caller passes the groups (``security_groups=``, built from the same
-  template), which runs the security-group validators for real;
+  template), which runs the security-group validators for real; DescribeCapacityReservations, when the
+  caller passes the reservations (``capacity_reservations=``, as the account holds them), which runs the
+  capacity reservation validators for real;
 * validators whose verdict depends on real account resources (security groups unless given, IAM, S3 objects, key
   pairs, existing FSx networking, launch-template dry runs, ...) are switched off with pcluster's
   ``TypeMatchValidatorsSuppressor``; they are listed, with the reason, in ``SUPPRESSED_VALIDATORS``.
@@ -464,6 +466,12 @@ class SuppressedValidator(NamedTuple):
 # Suppressed unless the security groups are given (`security_groups=`, e.g. built from a synthesized template):
 # with them, DescribeSecurityGroups is answered and these run for real.
 SECURITY_GROUP_VALIDATORS = ("SecurityGroupsValidator", "EfaSecurityGroupValidator")
+# Suppressed unless the reservations are given (`capacity_reservations=`).
+CAPACITY_RESERVATION_VALIDATORS = (
+    "CapacityReservationValidator",
+    "CapacityReservationSizeValidator",
+    "PlacementGroupCapacityReservationValidator",
+)
 
 # Validator type names as pcluster reports them (`Validator.type`, i.e. the class name).
 SUPPRESSED_VALIDATORS: tuple[SuppressedValidator, ...] = (
@@ -477,7 +485,6 @@ SUPPRESSED_VALIDATORS: tuple[SuppressedValidator, ...] = (
     SuppressedValidator("LambdaFunctionsVpcConfigValidator", "EC2 look-ups of the Lambda VPC subnets and groups"),
     SuppressedValidator("ElasticIpValidator", "EC2 DescribeAddresses for HeadNode.Networking.ElasticIp"),
     SuppressedValidator("KeyPairValidator", "EC2 DescribeKeyPairs for HeadNode.Ssh.KeyName (key type check)"),
-    SuppressedValidator("PlacementGroupNamingValidator", "EC2 DescribePlacementGroups for an existing group Name/Id"),
     SuppressedValidator("HeadNodeLaunchTemplateValidator", "EC2 RunInstances dry run of the head node template"),
     SuppressedValidator("ComputeResourceLaunchTemplateValidator", "EC2 RunInstances dry run of the compute template"),
     SuppressedValidator("LaunchTemplateValidator", "EC2 DescribeLaunchTemplateVersions for LaunchTemplateOverrides"),
@@ -622,8 +629,10 @@ class _OfflineAws:
         subnet_azs: Mapping[str, str],
         head_node_architecture: str,
         security_groups: Mapping[str, Mapping[str, Any]] | None = None,
+        capacity_reservations: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         self.region = region
+        self.capacity_reservations = {key: dict(value) for key, value in (capacity_reservations or {}).items()}
         self.subnet_azs = dict(subnet_azs)
         self.security_groups = {key: dict(value) for key, value in (security_groups or {}).items()}
         self.head_node_architecture = head_node_architecture
@@ -639,6 +648,8 @@ class _OfflineAws:
         }
         if security_groups is not None:
             self._handlers[("ec2", "DescribeSecurityGroups")] = self._describe_security_groups
+        if capacity_reservations is not None:
+            self._handlers[("ec2", "DescribeCapacityReservations")] = self._describe_capacity_reservations
 
     # botocore event hooks ------------------------------------------------------------------------
 
@@ -760,6 +771,15 @@ class _OfflineAws:
         if missing:
             raise _AwsError("InvalidGroup.NotFound", f"The security group '{missing[0]}' does not exist")
         return {"SecurityGroups": [copy.deepcopy(self.security_groups[g]) for g in params.get("GroupIds", [])]}
+
+    def _describe_capacity_reservations(self, params: dict) -> dict:
+        ids = params.get("CapacityReservationIds", [])
+        missing = [cr for cr in ids if cr not in self.capacity_reservations]
+        if missing:
+            raise _AwsError(
+                "InvalidCapacityReservationId.NotFound", f"The reservation ID '{missing[0]}' does not exist"
+            )
+        return {"CapacityReservations": [copy.deepcopy(self.capacity_reservations[cr]) for cr in ids]}
 
     def _describe_subnets(self, params: dict) -> dict:
         subnets = []
@@ -955,6 +975,7 @@ def run_offline_validation(
     region: str,
     subnet_azs: Mapping[str, str] | None = None,
     security_groups: Mapping[str, Mapping[str, Any]] | None = None,
+    capacity_reservations: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> OfflineValidationReport:
     """Load `config` with the real pcluster schema and run its validators offline; report what ran.
 
@@ -970,10 +991,15 @@ def run_offline_validation(
         raise ValueError(f"config Region {config_region!r} differs from region {region!r}")
     azs = _assign_availability_zones(config, region)
     azs.update(subnet_azs or {})
-    fake = _OfflineAws(region, azs, _head_node_architecture(config), security_groups)
+    fake = _OfflineAws(region, azs, _head_node_architecture(config), security_groups, capacity_reservations)
     suppressed_names = {entry.name for entry in SUPPRESSED_VALIDATORS}
-    if security_groups is not None:  # their inputs are given: these validators run for real
-        suppressed_names -= set(SECURITY_GROUP_VALIDATORS)
+    # Their inputs are given: these validators run for real.
+    for given, names in (
+        (security_groups, SECURITY_GROUP_VALIDATORS),
+        (capacity_reservations, CAPACITY_RESERVATION_VALIDATORS),
+    ):
+        if given is not None:
+            suppressed_names -= set(names)
     tally = _ValidatorTally()
 
     with _offline_aws(fake):
@@ -1010,6 +1036,7 @@ def validate_cluster_config(
     region: str,
     subnet_azs: Mapping[str, str] | None = None,
     security_groups: Mapping[str, Mapping[str, Any]] | None = None,
+    capacity_reservations: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[ValidationFinding]:
     """Validate a ParallelCluster 3.16.1 cluster config offline; return every finding (ERROR/WARNING/INFO).
 
@@ -1018,6 +1045,11 @@ def validate_cluster_config(
     module docstring for what is stubbed and suppressed.
     """
     report = run_offline_validation(
-        config, cluster_name=cluster_name, region=region, subnet_azs=subnet_azs, security_groups=security_groups
+        config,
+        cluster_name=cluster_name,
+        region=region,
+        subnet_azs=subnet_azs,
+        security_groups=security_groups,
+        capacity_reservations=capacity_reservations,
     )
     return list(report.findings)

@@ -48,8 +48,9 @@ RECORD = "daemons.json"
 
 
 def _which(command: str) -> str | None:
-    """Daemons live in /usr/sbin, which is not on every PATH."""
-    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    """The system's Slurm command: daemons live in /usr/sbin, which is not on every PATH, and a PATH set up
+    like a ParallelCluster node's (tests/support/parallelcluster_shell.py) has no Slurm at all."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/bin", "/bin"])
     return shutil.which(command, path=path)
 
 
@@ -265,8 +266,9 @@ class LocalSlurm:
     ) -> subprocess.CompletedProcess[str]:
         """Run a Slurm client command against this cluster (stdin from `input`, e.g. an sbatch script)."""
         env = {**os.environ, **self.env}
+        command = [_which(args[0]) or args[0], *args[1:]]  # the system's command, wherever PATH points
         result = subprocess.run(
-            list(args), env=env, input=input, capture_output=True, text=True, timeout=timeout, check=False
+            command, env=env, input=input, capture_output=True, text=True, timeout=timeout, check=False
         )
         if check and result.returncode != 0:
             raise UserError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")

@@ -326,9 +326,39 @@ def stage_states(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def unavailable_nodes(sinfo_reasons: str) -> str | None:
+    """One line from `sinfo --list-reasons --format=%E|%T|%N`: why nodes are down or drained, e.g.
+    ParallelCluster's "(Code:InsufficientInstanceCapacity)Failure when resuming nodes"; None if none are."""
+    problems: dict[str, list[str]] = {}
+    for line in sinfo_reasons.splitlines():
+        reason, _, rest = line.partition("|")
+        state, _, nodes = rest.partition("|")
+        if reason.strip() and nodes.strip():
+            problems.setdefault(f"{reason.strip()} ({state.strip().lower()})", []).append(nodes.strip())
+    if not problems:
+        return None
+    return "; ".join(f"{reason}: {','.join(nodes)}" for reason, nodes in problems.items())
+
+
+def partition_problem(run: dict[str, Any]) -> str | None:
+    """Why nodes of the run's partition cannot start, from Slurm's node reasons (capacity, quota, health)."""
+    site = run.get("site") or {}
+    partition = site.get("partition")
+    command = ["sinfo", "--noheader", "--list-reasons", "--format=%E|%T|%N"]
+    result = _run_slurm(run_slurm_bin(run), *command, *(["--partition", partition] if partition else []))
+    if result.returncode:
+        return None
+    problem = unavailable_nodes(result.stdout)
+    return f"nodes of partition {partition or '(default)'} cannot start: {problem}" if problem else None
+
+
 def print_status(run_dir: Path) -> list[dict[str, Any]]:
     rows = stage_states(run_dir)
     print(f"run {run_dir.name} ({run_dir})")
+    if any(row["state"] == "PENDING" for row in rows):
+        problem = partition_problem(read_run(run_dir))
+        if problem:
+            print(problem)
     print(f"{'stage':<12} {'job':>8} {'state':<12} {'elapsed':>10}  note")
     for row in rows:
         note = row.get("note") or row.get("reason") or ""
