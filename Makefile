@@ -12,7 +12,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 # Offline: never reach for instance metadata when looking for credentials.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: deps tools synth synth-all demo slurm-up slurm-down slurm-status test test-neuron lint snapshots schemas lock clean
+.PHONY: deps tools synth synth-all demo slurm-up slurm-down slurm-status test test-neuron lint snapshots schemas lock cost clean
 
 deps: $(VENV)/.installed node_modules/.installed
 
@@ -72,6 +72,10 @@ lint: deps
 	$(VPY) -m ruff check .
 	$(VPY) -m ruff format --check .
 	$(VPY) -m mypy
+
+## What environment ENV costs per hour: idle, while a CPU stage runs, while training (the README's table).
+cost: deps
+	$(VPY) -m stacks.cost --env $(ENV)
 
 ## Rewrite the template snapshots in tests/infra/snapshots/ after an intended infrastructure change.
 snapshots: deps

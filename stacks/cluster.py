@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from aws_cdk import Aws, CfnStack, CustomResource, Fn, RemovalPolicy
@@ -49,13 +50,28 @@ def bootstrap_neuron_release() -> str:
     return pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
 
 
-def bootstrap_arguments(*, neuron_release: str, shared_env: str, requirements_uri: str) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class NodeHealth:
+    """What a healthy Trainium node shows, checked at bootstrap and by the Slurm prolog of its partition."""
+
+    partition: str
+    neuron_devices: int
+    efa_devices: int
+
+
+def bootstrap_arguments(
+    *, neuron_release: str, shared_env: str, requirements_uri: str, health: NodeHealth
+) -> tuple[str, ...]:
     """Arguments of the OnNodeConfigured script: nothing that changes with the training code.
 
     The requirement set is passed by its stable S3 key, not by content, so a new lock never changes the
     cluster configuration; the pipeline brings the shared environment up to date before a new run.
     """
-    return ("--neuron-release", neuron_release, "--shared-env", shared_env, "--requirements", requirements_uri)
+    return (
+        *("--neuron-release", neuron_release, "--shared-env", shared_env, "--requirements", requirements_uri),
+        *("--trainium-partition", health.partition),
+        *("--neuron-devices", str(health.neuron_devices), "--efa-devices", str(health.efa_devices)),
+    )
 
 
 class Cluster(Construct):
@@ -75,6 +91,7 @@ class Cluster(Construct):
         metrics_namespace: str,
         neuron_release: str,
         shared_env: str,
+        health: NodeHealth,
         head_node_subnet: ec2.ISubnet,
         compute_subnet: ec2.ISubnet,
         security_group: ec2.ISecurityGroup,
@@ -119,7 +136,7 @@ class Cluster(Construct):
             compute_node_policy_arn=self.compute_node_policy.managed_policy_arn,
             bootstrap_script_url=self.bootstrap_script.s3_object_url,
             bootstrap_args=bootstrap_arguments(
-                neuron_release=neuron_release, shared_env=shared_env, requirements_uri=requirements_uri
+                neuron_release=neuron_release, shared_env=shared_env, requirements_uri=requirements_uri, health=health
             ),
         )
         self.resource = CustomResource(

@@ -16,9 +16,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 from pydantic.json_schema import SkipJsonSchema
 
-from stacks.instance_types import COMPUTE_INSTANCE_TYPES
+from stacks.instance_types import COMPUTE_INSTANCE_TYPES, CPU_INSTANCE_TYPES
 from training.config.loading import Allowed, Bool, ConfigError, Int, Str, StrictModel, build, check, read_mapping
-from training.config.recipe import bundled_recipes
+from training.config.recipe import bundled_recipes, load_recipe
+from training.errors import UserError
 
 # Pinned once: the custom-resource provider template, the offline validator in the tests and the docs
 # all follow this version.
@@ -66,9 +67,33 @@ class NetworkConfig(StrictModel):
     ssh_key_name: Str | None = Field(None, description="EC2 key pair for SSH; omit to reach the head node through SSM")
 
 
+QueueName = Annotated[
+    str,
+    Field(strict=True, pattern=r"^[a-z][a-z0-9-]{0,29}$"),
+    Allowed("a lowercase letter then up to 29 lowercase letters, digits or '-'"),
+]
+
+
 class HeadNodeConfig(StrictModel):
-    instance_type: Str = "r6a.12xlarge"
-    root_volume_gib: RootVolumeGib = 1024
+    """The head node runs Slurm's controller, SSM commands and the shared environment's pip builds; CPU
+    stages run in the CPU queue, so it needs no more than this."""
+
+    instance_type: Str = Field("m6a.2xlarge", json_schema_extra={"enum": list(CPU_INSTANCE_TYPES)})
+    root_volume_gib: RootVolumeGib = 100
+
+
+class CpuQueueConfig(StrictModel):
+    """The queue of the CPU-only stages (prepare, convert, sample, export), so they never hold a trn1 node.
+
+    Sized for the largest bundled model: sampling Mixtral 8x7B loads its 46.7B parameters in float32
+    (187 GB), so the default has 256 GiB; 32 vCPUs tokenize the corpus in parallel. Two nodes let prepare
+    and convert-in run side by side. Nodes start on demand and stop after the idle time.
+    """
+
+    queue_name: QueueName = "cpu"
+    instance_type: Str = Field("r6a.8xlarge", json_schema_extra={"enum": list(CPU_INSTANCE_TYPES)})
+    max_count: Annotated[int, Field(strict=True, ge=1), Allowed("1 or more")] = 2
+    root_volume_gib: RootVolumeGib = 200
 
 
 CapacityType = Literal["on-demand", "spot", "reservation", "capacity-block"]
@@ -102,11 +127,7 @@ class CapacityConfig(StrictModel):
 
 class ComputeConfig(StrictModel):
     instance_type: Str = Field("trn1.32xlarge", json_schema_extra={"enum": list(COMPUTE_INSTANCE_TYPES)})
-    queue_name: Annotated[
-        str,
-        Field(strict=True, pattern=r"^[a-z][a-z0-9-]{0,29}$"),
-        Allowed("a lowercase letter then up to 29 lowercase letters, digits or '-'"),
-    ] = "compute1"
+    queue_name: QueueName = "compute1"
     min_count: Annotated[int, Field(strict=True, ge=0), Allowed("0 (scale to zero) or more")] = 0
     max_count: Annotated[int, Field(strict=True, ge=1), Allowed("1 or more")] = 4
     efa: Bool = True
@@ -175,6 +196,9 @@ class EnvironmentConfig(StrictModel):
     network: NetworkConfig = NetworkConfig()
     head_node: HeadNodeConfig = HeadNodeConfig()
     compute: ComputeConfig = ComputeConfig()
+    cpu_queue: CpuQueueConfig | None = Field(
+        CpuQueueConfig(), description="null runs the CPU stages on the Trainium queue instead"
+    )
     storage: StorageConfig = StorageConfig()
     logging: LoggingConfig = LoggingConfig()
     pipeline: PipelineConfig = PipelineConfig()
@@ -253,6 +277,13 @@ def validate(config: EnvironmentConfig) -> list[str]:
     if config.network.ssh_key_name == "":
         bad("network.ssh_key_name", "", "an EC2 key pair name, or omit the key to use SSM only")
     _validate_compute(config.compute, bad)
+    if config.head_node.instance_type not in CPU_INSTANCE_TYPES:
+        bad("head_node.instance_type", config.head_node.instance_type, ", ".join(CPU_INSTANCE_TYPES))
+    if config.cpu_queue is not None:
+        if config.cpu_queue.instance_type not in CPU_INSTANCE_TYPES:
+            bad("cpu_queue.instance_type", config.cpu_queue.instance_type, ", ".join(CPU_INSTANCE_TYPES))
+        if config.cpu_queue.queue_name == config.compute.queue_name:
+            bad("cpu_queue.queue_name", config.cpu_queue.queue_name, "a name other than compute.queue_name")
     capacity = config.storage.fsx_capacity_gib
     if capacity != SCRATCH_2_SMALL_CAPACITY_GIB and (capacity <= 0 or capacity % SCRATCH_2_CAPACITY_STEP_GIB):
         bad("storage.fsx_capacity_gib", capacity, "1200 or a multiple of 2400 (2400, 4800, ...) for SCRATCH_2")
@@ -267,9 +298,20 @@ def _validate_pipeline(pipeline: PipelineConfig, bad: typing.Callable[[str, Any,
     bundled = [name for name in bundled_recipes() if not name.startswith("tiny-")]
     if pipeline.recipe not in bundled:
         bad("pipeline.recipe", pipeline.recipe, f"a bundled recipe ({', '.join(bundled)})")
+    malformed = False
     for override in pipeline.overrides:
         if "=" not in override or override.startswith("="):
             bad("pipeline.overrides", override, "recipe overrides as 'section.key=value'")
+            malformed = True
+    if pipeline.recipe in bundled and not malformed:
+        # The run would fail at submission, after the cluster is built: load the recipe with them now.
+        try:
+            load_recipe(pipeline.recipe, pipeline.overrides)
+        except UserError as error:
+            problems = error.problems if isinstance(error, ConfigError) else [str(error)]
+            for problem in problems:
+                detail = problem.split(".yaml: ", 1)[-1]  # without the recipe file's path
+                bad("pipeline.overrides", list(pipeline.overrides), f"what recipe {pipeline.recipe} accepts ({detail})")
 
 
 def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, str], None]) -> None:

@@ -19,8 +19,31 @@ class Acknowledgement:
     reason: str
 
 
-OBJECTS_OF_RESULTS_BUCKET = "AwsSolutions-IAM5[Resource::<StorageResultsB2A4FB2E.Arn>/*]"
 PUT_METRIC_DATA = "AwsSolutions-IAM5[Resource::*]"
+
+
+def objects_under(prefix: str) -> str:
+    """cdk-nag's rule id for a statement on the results bucket's objects under `prefix`."""
+    return f"AwsSolutions-IAM5[Resource::<StorageResultsB2A4FB2E.Arn>/{prefix}*]"
+
+
+# What each node role may do under which prefix of the results bucket (stacks/training_environment.py).
+NODE_OBJECT_ACCESS = {
+    "Cluster/HeadNodePolicy": {
+        "pipeline/source/": "reads the training code this environment's runs were submitted with (one folder "
+        "per source hash, not known at deploy time)",
+        "cluster/": "reads the node files of this environment (the locked requirement set) while bootstrapping",
+        "results/": "reads each run's results under results/<run id>/ of this environment's bucket; run ids are "
+        "not known at deploy time",
+        "pipeline/ssm-output/": "SSM writes the output of this environment's pipeline commands with the head "
+        "node's role; the command ids in the keys are not known at deploy time",
+    },
+    "Cluster/ComputeNodePolicy": {
+        "cluster/": "reads the node files of this environment (the locked requirement set)",
+        "results/": "the export stage writes (and reads back) each run's results under results/<run id>/ of "
+        "this environment's bucket; run ids are not known at deploy time",
+    },
+}
 
 ACKNOWLEDGEMENTS = (
     Acknowledgement(
@@ -31,25 +54,9 @@ ACKNOWLEDGEMENTS = (
         "enable CloudTrail S3 data events account-wide instead.",
     ),
     *(
-        Acknowledgement(
-            policy,
-            OBJECTS_OF_RESULTS_BUCKET,
-            "Nodes read training data, checkpoints and results under run-specific keys of this environment's "
-            "own results bucket; keys are not known at deploy time.",
-        )
-        for policy in ("Cluster/HeadNodePolicy", "Cluster/ComputeNodePolicy")
-    ),
-    Acknowledgement(
-        "Cluster/HeadNodePolicy",
-        "AwsSolutions-IAM5[Resource::<StorageResultsB2A4FB2E.Arn>/pipeline/ssm-output/*]",
-        "SSM writes the output of this environment's pipeline commands with the head node's role, under one prefix; "
-        "the command ids in the keys are not known at deploy time.",
-    ),
-    Acknowledgement(
-        "Cluster/ComputeNodePolicy",
-        "AwsSolutions-IAM5[Resource::<StorageResultsB2A4FB2E.Arn>/results/*]",
-        "The export stage writes each run's results under results/<run id>/ of this environment's bucket; run ids are "
-        "not known at deploy time.",
+        Acknowledgement(policy, objects_under(prefix), reason)
+        for policy, prefixes in NODE_OBJECT_ACCESS.items()
+        for prefix, reason in prefixes.items()
     ),
     *(
         Acknowledgement(

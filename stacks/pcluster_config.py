@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stacks.config import PARALLELCLUSTER_CAPACITY_TYPES, ComputeConfig, HeadNodeConfig
+from stacks.config import PARALLELCLUSTER_CAPACITY_TYPES, ComputeConfig, CpuQueueConfig, HeadNodeConfig
 
 SSM_MANAGED_INSTANCE_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
 
@@ -23,6 +23,7 @@ class ClusterSettings:
     os: str
     head_node: HeadNodeConfig
     compute: ComputeConfig
+    cpu_queue: CpuQueueConfig | None
     ssh_key_name: str | None
     mount_dir: str
     log_retention_days: int
@@ -102,7 +103,7 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
                 "ScaledownIdletime": compute.scaledown_idle_minutes,
                 "QueueUpdateStrategy": "TERMINATE",
             },
-            "SlurmQueues": [queue],
+            "SlurmQueues": [queue, *cpu_queues(settings.cpu_queue, resources)],
         },
         "SharedStorage": [
             {
@@ -126,6 +127,35 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
     if settings.tags:
         cluster["Tags"] = [{"Key": key, "Value": value} for key, value in sorted(settings.tags.items())]
     return cluster
+
+
+def cpu_queues(cpu: CpuQueueConfig | None, resources: ClusterResources) -> list[dict[str, Any]]:
+    """The CPU queue, if any: on-demand nodes without Neuron devices or EFA; the bootstrap skips Neuron there."""
+    if cpu is None:
+        return []
+    bootstrap = {"Script": resources.bootstrap_script_url, "Args": [*resources.bootstrap_args, "--node-type", "cpu"]}
+    return [
+        {
+            "Name": cpu.queue_name,
+            "CapacityType": "ONDEMAND",
+            "Networking": {
+                "SubnetIds": [resources.compute_subnet_id],
+                "SecurityGroups": [resources.security_group_id],
+            },
+            "ComputeSettings": {"LocalStorage": {"RootVolume": {"Size": cpu.root_volume_gib, "Encrypted": True}}},
+            "ComputeResources": [
+                {
+                    "Name": _compute_resource_name(cpu.instance_type),
+                    "InstanceType": cpu.instance_type,
+                    "MinCount": 0,
+                    "MaxCount": cpu.max_count,
+                }
+            ],
+            "CustomActions": {"OnNodeConfigured": bootstrap},
+            "Iam": {"AdditionalIamPolicies": [{"Policy": resources.compute_node_policy_arn}]},
+            "JobExclusiveAllocation": True,
+        }
+    ]
 
 
 def capacity_reservation_target(compute: ComputeConfig) -> dict[str, str]:

@@ -47,6 +47,7 @@ SOURCE_EXCLUDE = (
     *SOURCE_NEVER,
 )
 SSM_OUTPUT_PREFIX = "pipeline/ssm-output/"
+SOURCE_PREFIX = "pipeline/source/"
 # The id CDK gives the one BucketDeployment handler of a stack (a fixed UUID and the memory limit).
 BUCKET_DEPLOYMENT_HANDLER = "Custom::CDKBucketDeployment8693BB64968944B69AAFB0CC9EB8756C512MiB"
 
@@ -115,7 +116,7 @@ class Pipeline(Construct):
     ) -> None:
         super().__init__(scope, construct_id)
         digest = source_hash()
-        prefix = f"pipeline/source/{digest}/"
+        prefix = f"{SOURCE_PREFIX}{digest}/"
         self.source = s3_deployment.BucketDeployment(
             self,
             "Source",

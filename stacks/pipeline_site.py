@@ -15,11 +15,16 @@ from training.config.site import Site
 
 # Where ParallelCluster installs Slurm; only login shells get it on PATH (/etc/profile.d/slurm.sh).
 PARALLELCLUSTER_SLURM_BIN = "/opt/slurm/bin"
+# Folders of the file system whose content nodes execute: the shared environment, the sources the
+# pipeline fetches (the custom resource's `<mount>/pipeline/`) and the compile cache.
+ENVS_FOLDER = "envs"
+NEURON_CACHE_FOLDER = "neuron-cache"
+EXECUTED_FOLDERS = (ENVS_FOLDER, "pipeline", NEURON_CACHE_FOLDER)
 
 
 def shared_env_path(config: EnvironmentConfig, neuron_release: str) -> str:
     """The shared Python environment the head node's bootstrap builds on the file system."""
-    return f"{config.storage.mount_dir}/envs/neuron-{neuron_release}"
+    return f"{config.storage.mount_dir}/{ENVS_FOLDER}/neuron-{neuron_release}"
 
 
 def site_settings(config: EnvironmentConfig, *, neuron_release: str, results_uri: str) -> dict[str, Any]:
@@ -34,11 +39,12 @@ def site_settings(config: EnvironmentConfig, *, neuron_release: str, results_uri
         setup=(),
         slurm_bin=PARALLELCLUSTER_SLURM_BIN,
         partition=config.compute.queue_name,
+        cpu_partition=config.cpu_queue.queue_name if config.cpu_queue else None,
         processes_per_node=facts.neuron_cores,
         exclusive=True,
         neuron=True,
         efa=config.compute.efa,
-        compile_cache=f"{mount}/neuron-cache",
+        compile_cache=f"{mount}/{NEURON_CACHE_FOLDER}",
         max_restarts=3,
         time_minutes=0,
     )

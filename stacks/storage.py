@@ -65,6 +65,7 @@ class Storage(Construct):
         for port in LUSTRE_PORTS:
             self.file_system_security_group.add_ingress_rule(client_security_group, port, "Lustre from cluster nodes")
 
+        self.fsx_s3_prefix = fsx_s3_prefix
         repository = f"s3://{self.bucket.bucket_name}/{fsx_s3_prefix}"
         self.file_system = fsx.LustreFileSystem(
             self,
@@ -88,11 +89,15 @@ class Storage(Construct):
     # Access to storage, as statements the stack hands to the constructs that need it (like a Lambda
     # function's `initial_policy`), so they lead the principal's policy.
 
-    def results_access(self, *, write_prefixes: tuple[str, ...] = ()) -> list[iam.PolicyStatement]:
-        """List the results bucket and read its objects; put and delete objects under `write_prefixes` only."""
+    def results_access(
+        self, *, read_prefixes: tuple[str, ...], write_prefixes: tuple[str, ...] = ()
+    ) -> list[iam.PolicyStatement]:
+        """List the results bucket; read objects under `read_prefixes`, put and delete under `write_prefixes`."""
         statements = [
             iam.PolicyStatement(actions=["s3:ListBucket"], resources=[self.bucket.bucket_arn]),
-            iam.PolicyStatement(actions=["s3:GetObject"], resources=[self.bucket.arn_for_objects("*")]),
+            iam.PolicyStatement(
+                actions=["s3:GetObject"], resources=[self.bucket.arn_for_objects(f"{p}*") for p in read_prefixes]
+            ),
         ]
         if write_prefixes:
             statements.append(
@@ -102,6 +107,34 @@ class Storage(Construct):
                 )
             )
         return statements
+
+    def protect_executed_code(
+        self, *, code_prefixes: tuple[str, ...], code_writer: iam.IRole, imported: tuple[str, ...]
+    ) -> None:
+        """Nodes run, as root, what lands under these keys: the shipped code and node files (`code_prefixes`,
+        written only by `code_writer`, the deployment's role) and the file system folders FSx imports and
+        jobs execute (`imported`: the shared environment, the pipeline's sources, the compile cache; nobody
+        writes those through S3). Everyone else, administrators included, is denied writing them."""
+        objects = ["s3:PutObject", "s3:DeleteObject", "s3:DeleteObjectVersion"]
+        self.bucket.add_to_resource_policy(
+            iam.PolicyStatement(
+                sid="OnlyTheDeploymentWritesNodeCode",
+                effect=iam.Effect.DENY,
+                principals=[iam.AnyPrincipal()],
+                actions=objects,
+                resources=[self.bucket.arn_for_objects(f"{prefix}*") for prefix in code_prefixes],
+                conditions={"ArnNotEquals": {"aws:PrincipalArn": code_writer.role_arn}},
+            )
+        )
+        self.bucket.add_to_resource_policy(
+            iam.PolicyStatement(
+                sid="NobodyWritesExecutedFileSystemFolders",
+                effect=iam.Effect.DENY,
+                principals=[iam.AnyPrincipal()],
+                actions=objects,
+                resources=[self.bucket.arn_for_objects(f"{self.fsx_s3_prefix}/{folder}/*") for folder in imported],
+            )
+        )
 
     def results_read_access(self, prefix: str) -> list[iam.PolicyStatement]:
         """Read the results bucket's objects under `prefix` only."""

@@ -9,13 +9,14 @@ from __future__ import annotations
 from aws_cdk import CfnOutput, Environment, Stack, Tags
 from constructs import Construct
 
-from stacks.cluster import Cluster, bootstrap_neuron_release
+from stacks.cluster import NODE_FILES_PREFIX, Cluster, NodeHealth, bootstrap_neuron_release
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
+from stacks.instance_types import COMPUTE_INSTANCE_TYPES
 from stacks.log_groups import log_group_with_retention
 from stacks.network import Network
 from stacks.pcluster_config import ClusterSettings
-from stacks.pipeline import SSM_OUTPUT_PREFIX, Pipeline, SharedEnvironment
-from stacks.pipeline_site import shared_env_path, site_settings
+from stacks.pipeline import SOURCE_PREFIX, SSM_OUTPUT_PREFIX, Pipeline, SharedEnvironment
+from stacks.pipeline_site import EXECUTED_FOLDERS, shared_env_path, site_settings
 from stacks.storage import Storage
 
 # Where the export stage writes each run's results in the bucket.
@@ -29,10 +30,21 @@ def cluster_settings(config: EnvironmentConfig) -> ClusterSettings:
         os=config.os,
         head_node=config.head_node,
         compute=config.compute,
+        cpu_queue=config.cpu_queue,
         ssh_key_name=config.network.ssh_key_name,
         mount_dir=config.storage.mount_dir,
         log_retention_days=config.logging.retention_days,
         tags=config.tags,
+    )
+
+
+def node_health(config: EnvironmentConfig) -> NodeHealth:
+    """The devices every node of the Trainium queue must show; EFA ones only when the queue uses EFA."""
+    facts = COMPUTE_INSTANCE_TYPES[config.compute.instance_type]
+    return NodeHealth(
+        partition=config.compute.queue_name,
+        neuron_devices=facts.neuron_devices,
+        efa_devices=facts.efa_devices if config.compute.efa else 0,
     )
 
 
@@ -86,6 +98,7 @@ class TrainingEnvironmentStack(Stack):
             metrics_namespace=f"Trainium/{config.name}",
             neuron_release=neuron_release,
             shared_env=shared_env_path(config, neuron_release),
+            health=node_health(config),
             head_node_subnet=self.network.private_subnet,
             compute_subnet=self.network.private_subnet,
             security_group=self.network.cluster_security_group,
@@ -94,8 +107,13 @@ class TrainingEnvironmentStack(Stack):
             deployment_logs=deployment_logs,
             # Nodes read the bucket. The head node writes the SSM command output the pipeline reads back;
             # compute nodes write results: the export stage runs there.
-            head_node_access=self.storage.results_access(write_prefixes=(SSM_OUTPUT_PREFIX,)),
-            compute_node_access=self.storage.results_access(write_prefixes=(f"{RESULTS_PREFIX}/",)),
+            head_node_access=self.storage.results_access(
+                read_prefixes=(SOURCE_PREFIX, NODE_FILES_PREFIX, f"{RESULTS_PREFIX}/"),
+                write_prefixes=(SSM_OUTPUT_PREFIX,),
+            ),
+            compute_node_access=self.storage.results_access(
+                read_prefixes=(NODE_FILES_PREFIX, f"{RESULTS_PREFIX}/"), write_prefixes=(f"{RESULTS_PREFIX}/",)
+            ),
         )
 
         head_node = self.cluster.head_node_instance_id
@@ -124,6 +142,11 @@ class TrainingEnvironmentStack(Stack):
                 *self.storage.results_read_access(SSM_OUTPUT_PREFIX),
                 *self.storage.export_access(),
             ],
+        )
+        self.storage.protect_executed_code(
+            code_prefixes=(SOURCE_PREFIX, NODE_FILES_PREFIX),
+            code_writer=self.pipeline.source.handler_role,
+            imported=EXECUTED_FOLDERS,
         )
         CfnOutput(self, "ClusterName", value=config.cluster_name, description="ParallelCluster cluster name")
         CfnOutput(self, "HeadNodeInstanceId", value=head_node, description="EC2 instance id of the head node")

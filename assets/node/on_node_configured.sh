@@ -90,6 +90,9 @@ ARG_ENV_ONLY=0
 ARG_APT_SUITE=""
 ARG_NODE_TYPE=""
 ARG_SKIP_HOSTS_FIX=0
+ARG_NEURON_DEVICES=0
+ARG_EFA_DEVICES=0
+ARG_TRAINIUM_PARTITION=""
 DRY_RUN=0
 
 # Detected state.
@@ -129,6 +132,11 @@ Options:
   --apt-suite NAME         Suite of the Neuron apt repository (default: VERSION_CODENAME of the OS).
   --node-type head|compute Skip node type detection from ${PCLUSTER_CFNCONFIG}.
   --skip-hosts-fix         Do not remove the node's hostname line from ${HOSTS_FILE}.
+  --neuron-devices N       Neuron devices a Trainium node must show (/dev/neuron*); fewer fails the
+                           bootstrap (ParallelCluster replaces the node) and drains it before a job.
+  --efa-devices N          EFA devices a Trainium node must show (/sys/class/infiniband/*); likewise.
+  --trainium-partition P   The Slurm partition of the Trainium nodes: the head node installs a prolog
+                           that checks both counts before every job there.
   --dry-run                Print the apt/pip/system commands instead of running them.
   -h, --help               Show this help.
 EOF
@@ -182,6 +190,9 @@ set_option() {
     --shared-env) ARG_SHARED_ENV=${value} ;;
     --pip-index) ARG_PIP_INDEX=${value} ;;
     --requirements) ARG_REQUIREMENTS=${value} ;;
+    --neuron-devices) ARG_NEURON_DEVICES=${value} ;;
+    --efa-devices) ARG_EFA_DEVICES=${value} ;;
+    --trainium-partition) ARG_TRAINIUM_PARTITION=${value} ;;
     --apt-suite) ARG_APT_SUITE=${value} ;;
     --node-type) ARG_NODE_TYPE=${value} ;;
     *) usage_error "unknown argument: '${name}'" ;;
@@ -207,7 +218,8 @@ parse_args() {
         ARG_ENV_ONLY=1
         shift
         ;;
-      --neuron-release | --shared-env | --pip-index | --requirements | --apt-suite | --node-type)
+      --neuron-release | --shared-env | --pip-index | --requirements | --apt-suite | --node-type | \
+        --neuron-devices | --efa-devices | --trainium-partition)
         if (($# < 2)) || [[ "$2" == --* ]]; then
           usage_error "$1 requires a value"
         fi
@@ -248,9 +260,13 @@ validate_args() {
     usage_error "--apt-suite must be a lowercase codename such as jammy, got '${ARG_APT_SUITE}'"
   fi
   case "${ARG_NODE_TYPE}" in
-    "" | head | compute) ;;
-    *) usage_error "--node-type must be 'head' or 'compute', got '${ARG_NODE_TYPE}'" ;;
+    "" | head | compute | cpu) ;;
+    *) usage_error "--node-type must be 'head', 'compute' or 'cpu', got '${ARG_NODE_TYPE}'" ;;
   esac
+  [[ "${ARG_NEURON_DEVICES}" =~ ^[0-9]+$ && "${ARG_EFA_DEVICES}" =~ ^[0-9]+$ ]] ||
+    usage_error "--neuron-devices and --efa-devices must be counts, got '${ARG_NEURON_DEVICES}', '${ARG_EFA_DEVICES}'"
+  [[ -z "${ARG_TRAINIUM_PARTITION}" || "${ARG_TRAINIUM_PARTITION}" =~ ^[a-z][a-z0-9-]*$ ]] ||
+    usage_error "--trainium-partition must be a queue name, got '${ARG_TRAINIUM_PARTITION}'"
   if [[ -n "${ARG_REQUIREMENTS}" && ! "${ARG_REQUIREMENTS}" =~ ^(s3://[a-z0-9.-]+/|/)[A-Za-z0-9._/-]+$ ]]; then
     usage_error "--requirements must be an absolute path or an s3:// URI, got '${ARG_REQUIREMENTS}'"
   fi
@@ -451,9 +467,78 @@ install_compute_packages() {
   run modprobe neuron
   # shellcheck disable=SC2016 # ${PATH} is meant to expand at login, not here
   write_file "${NEURON_PROFILE_SCRIPT}" 'export PATH="/opt/aws/neuron/bin:${PATH}"'
-  if [[ "${DRY_RUN}" != 1 ]] && ! compgen -G '/dev/neuron*' >/dev/null; then
-    log "WARNING: no /dev/neuron* device after loading the driver (not a Trainium instance?)"
+}
+
+# ----------------------------------------------------------------------------- node health
+
+DEVICE_ROOT="${DEVICE_ROOT:-}"   # a fake device tree in tests
+SLURM_BIN="${SLURM_BIN:-/opt/slurm/bin}"
+# ParallelCluster (3.6+) runs every file of this directory as the Slurm prolog, on the compute node, as
+# root; /opt/slurm is shared from the head node, so the head node installs it once for all nodes.
+HEALTH_PROLOG="${HEALTH_PROLOG:-/opt/slurm/etc/scripts/prolog.d/80_trainium_node_health}"
+
+# What is wrong with this node's devices, or nothing: the same test as the prolog's.
+device_problem() {
+  local problem="" restore
+  local -a neuron efa
+  restore=$(shopt -p nullglob)
+  shopt -s nullglob
+  neuron=("${DEVICE_ROOT}"/dev/neuron[0-9]*)
+  efa=("${DEVICE_ROOT}"/sys/class/infiniband/*)
+  eval "${restore}"
+  ((${#neuron[@]} >= ARG_NEURON_DEVICES)) || problem="${#neuron[@]} of ${ARG_NEURON_DEVICES} Neuron devices"
+  ((${#efa[@]} >= ARG_EFA_DEVICES)) || problem="${problem:+${problem}, }${#efa[@]} of ${ARG_EFA_DEVICES} EFA devices"
+  printf '%s' "${problem}"
+}
+
+# A Trainium node without all its devices cannot train: fail the bootstrap, so ParallelCluster replaces it.
+check_devices() {
+  if [[ "${DRY_RUN}" == 1 ]]; then
+    log "would check for ${ARG_NEURON_DEVICES} Neuron and ${ARG_EFA_DEVICES} EFA devices"
+    return 0
   fi
+  local problem
+  problem=$(device_problem)
+  [[ -z "${problem}" ]] || die "node health: ${problem} (the instance is faulty or not a Trainium type)"
+  log "node health: ${ARG_NEURON_DEVICES} Neuron and ${ARG_EFA_DEVICES} EFA devices present"
+}
+
+# The prolog: before each job on the Trainium partition, the same device test; a node that fails it is
+# drained with the reason (Slurm then requeues the job elsewhere) instead of failing the job's collectives.
+write_health_prolog() {
+  local target=${HEALTH_PROLOG}
+  if [[ -z "${ARG_TRAINIUM_PARTITION}" ]]; then
+    return 0
+  fi
+  if [[ "${DRY_RUN}" == 1 ]]; then
+    printf 'DRY-RUN: write %s\n' "${target}"
+    return 0
+  fi
+  install -d -m 0755 "$(dirname "${target}")"
+  local tmp
+  tmp=$(mktemp "${target}.XXXXXX")
+  cat >"${tmp}" <<PROLOG
+#!/bin/bash
+# Written by on_node_configured.sh (Neuron ${NEURON_RELEASE}): Trainium node health before each job.
+[[ "\${SLURM_JOB_PARTITION:-}" == "${ARG_TRAINIUM_PARTITION}" ]] || exit 0
+# Slurm runs prologs without PATH: builtins and absolute paths only.
+shopt -s nullglob
+root="\${DEVICE_ROOT:-}"
+neuron_devices=("\${root}"/dev/neuron[0-9]*)
+efa_devices=("\${root}"/sys/class/infiniband/*)
+neuron=\${#neuron_devices[@]}
+efa=\${#efa_devices[@]}
+problem=""
+((neuron >= ${ARG_NEURON_DEVICES})) || problem="\${neuron} of ${ARG_NEURON_DEVICES} Neuron devices"
+((efa >= ${ARG_EFA_DEVICES})) || problem="\${problem:+\${problem}, }\${efa} of ${ARG_EFA_DEVICES} EFA devices"
+[[ -z "\${problem}" ]] && exit 0
+echo "trainium node health: \${problem}" >&2
+${SLURM_BIN}/scontrol update NodeName="\${SLURMD_NODENAME}" State=DRAIN Reason="trainium node health: \${problem}"
+exit 1
+PROLOG
+  chmod 0755 "${tmp}"
+  mv -f "${tmp}" "${target}"
+  log "installed the node health prolog ${target} for partition ${ARG_TRAINIUM_PARTITION}"
 }
 
 check_shared_env_visible() {
@@ -686,6 +771,9 @@ main() {
         install_head_packages
       fi
       build_shared_env
+      if [[ "${ARG_ENV_ONLY}" != 1 ]]; then
+        write_health_prolog
+      fi
       ;;
     compute)
       configure_neuron_apt_repo
@@ -695,6 +783,11 @@ main() {
       else
         fix_etc_hosts "$(hostname -s)" "$(hostname)"
       fi
+      check_devices
+      check_shared_env_visible
+      ;;
+    cpu)
+      log "CPU node: no Neuron devices, nothing to install (it uses the shared venv)"
       check_shared_env_visible
       ;;
     login)

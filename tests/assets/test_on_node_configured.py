@@ -576,3 +576,55 @@ def test_verify_pip_versions_ignores_local_version_labels(tmp_path: Path) -> Non
     result = run_sourced(wrong, {"PYTHONPATH": str(site)})
     assert result.returncode != 0
     assert "wanted 2.23.6485.0, found 2.23.6484.0+abc123" in result.stderr
+
+
+# ----------------------------------------------------------------------------- node health
+
+
+def fake_device_tree(root: Path, neuron: int, efa: int) -> Path:
+    """A trn1.32xlarge's device files as the checks see them: /dev/neuronN and /sys/class/infiniband/*."""
+    (root / "dev").mkdir(parents=True, exist_ok=True)
+    (root / "sys" / "class" / "infiniband").mkdir(parents=True, exist_ok=True)
+    for index in range(neuron):
+        (root / "dev" / f"neuron{index}").touch()
+    for index in range(efa):
+        (root / "sys" / "class" / "infiniband" / f"rdmap{index}s0").mkdir()
+    return root
+
+
+@pytest.mark.parametrize(
+    ("neuron", "efa", "problem"),
+    [
+        (16, 8, None),
+        (15, 8, "15 of 16 Neuron devices"),
+        (16, 0, "0 of 8 EFA devices"),
+        (0, 0, "0 of 16 Neuron devices, 0 of 8 EFA devices"),
+    ],
+)
+def test_bootstrap_fails_on_a_node_missing_devices(tmp_path: Path, neuron: int, efa: int, problem: str | None) -> None:
+    """A failed OnNodeConfigured makes ParallelCluster replace the node instead of giving it to a job."""
+    root = fake_device_tree(tmp_path / "node", neuron, efa)
+    result = run_sourced("ARG_NEURON_DEVICES=16 ARG_EFA_DEVICES=8 check_devices", {"DEVICE_ROOT": str(root)})
+    if problem is None:
+        assert result.returncode == 0 and "16 Neuron and 8 EFA devices present" in result.stderr
+    else:
+        assert result.returncode == 1
+        assert f"ERROR: node health: {problem} (the instance is faulty or not a Trainium type)" in result.stderr
+
+
+def test_cpu_nodes_install_nothing_and_check_no_devices(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--neuron-devices", "16", "--node-type", "cpu", "--dry-run"], node_files())
+    assert result.returncode == 0, result.stderr
+    assert dry_run_commands(result.stdout) == [] and "CPU node" in result.stderr
+
+
+def test_dry_run_compute_node_checks_the_expected_devices(node_files) -> None:
+    args = [*REQUIRED_ARGS, "--neuron-devices", "16", "--efa-devices", "8", "--dry-run"]
+    result = run_script(args, node_files(cfn_node_type="ComputeFleet"))
+    assert result.returncode == 0, result.stderr
+    assert "would check for 16 Neuron and 8 EFA devices" in result.stderr
+
+
+def test_device_counts_must_be_numbers(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--efa-devices", "eight", "--dry-run"], node_files())
+    assert result.returncode == 2 and "--neuron-devices and --efa-devices must be counts" in result.stderr

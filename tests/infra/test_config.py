@@ -52,8 +52,9 @@ def test_shipped_environments_load(name: str) -> None:
 def test_default_reproduces_the_first_document() -> None:
     config = load_environment("default", ENVIRONMENTS_DIR)
     assert (config.region, config.availability_zone) == ("us-west-2", "us-west-2d")
-    assert config.head_node.instance_type == "r6a.12xlarge"
-    assert config.head_node.root_volume_gib == config.compute.root_volume_gib == 1024
+    assert (config.head_node.instance_type, config.head_node.root_volume_gib) == ("m6a.2xlarge", 100)
+    assert config.compute.root_volume_gib == 1024
+    assert config.cpu_queue is not None and config.cpu_queue.instance_type == "r6a.8xlarge"
     assert (config.compute.instance_type, config.compute.efa, config.compute.max_count) == ("trn1.32xlarge", True, 4)
     assert config.compute.min_count == 0
     assert config.compute.placement_group_enabled is True
@@ -77,7 +78,7 @@ RULES = {
     "unknown top-level key": (
         {"vpc": {"cidr": "10.0.0.0/16"}},
         "environments-under-test/candidate.yaml: vpc: unknown key; allowed keys here: region, availability_zone, "
-        "cluster_name, os, network, head_node, compute, storage, logging, pipeline, tags",
+        "cluster_name, os, network, head_node, compute, cpu_queue, storage, logging, pipeline, tags",
     ),
     "pipeline recipe not bundled": (
         {"pipeline.recipe": "gpt-oss"},
@@ -224,6 +225,22 @@ RULES = {
         {"compute.capacity": {"type": "capacity-block", "reservation_id": "cb-123"}},
         "environments-under-test/candidate.yaml: compute.capacity.reservation_id: 'cb-123' is not allowed; "
         "allowed: a reservation id such as cr-0123456789abcdef0",
+    ),
+    "head node type": (
+        {"head_node.instance_type": "p5.48xlarge"},
+        "environments-under-test/candidate.yaml: head_node.instance_type: 'p5.48xlarge' is not allowed; allowed: "
+        "m6a.xlarge, m6a.2xlarge, m6a.4xlarge, m6a.8xlarge, r6a.2xlarge, r6a.4xlarge, r6a.8xlarge, r6a.12xlarge, "
+        "r6a.16xlarge",
+    ),
+    "cpu queue named like the trainium queue": (
+        {"cpu_queue.queue_name": "compute1"},
+        "environments-under-test/candidate.yaml: cpu_queue.queue_name: 'compute1' is not allowed; "
+        "allowed: a name other than compute.queue_name",
+    ),
+    "recipe override the recipe refuses": (
+        {"pipeline.overrides": ["batch.micro=0"]},
+        "environments-under-test/candidate.yaml: pipeline.overrides: ['batch.micro=0'] is not allowed; allowed: "
+        "what recipe llama31-8b-cpt accepts (batch.micro: 0 is not allowed; allowed: an integer above 0)",
     ),
     "capacity type": (
         {"compute.capacity": {"type": "RESERVED"}},

@@ -29,7 +29,7 @@ from stacks.cluster_requirements import LOCK, ROOT, normalized, read_lock
 from stacks.config import load_environment
 from stacks.pcluster_config import ClusterResources, build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
-from stacks.training_environment import cluster_settings
+from stacks.training_environment import cluster_settings, node_health
 from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized, cdk_json_context
 from tests.support.pcluster_offline import errors_of, run_offline_validation, validate_cluster_config
 
@@ -257,7 +257,10 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+", release)
     config = load_environment("default", ENVIRONMENTS_DIR)
     arguments = bootstrap_arguments(
-        neuron_release=release, shared_env=shared_env_path(config, release), requirements_uri="s3://b/cluster/r.txt"
+        neuron_release=release,
+        shared_env=shared_env_path(config, release),
+        requirements_uri="s3://b/cluster/r.txt",
+        health=node_health(config),
     )
     # The requirement set by its stable key, never by content: a new lock must not change the configuration.
     assert arguments == (
@@ -267,6 +270,13 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
         f"/fsx/envs/neuron-{release}",
         "--requirements",
         "s3://b/cluster/r.txt",
+        # What a healthy trn1.32xlarge shows: checked at bootstrap and before each job of the queue.
+        "--trainium-partition",
+        "compute1",
+        "--neuron-devices",
+        "16",
+        "--efa-devices",
+        "8",
     )
     assert {"torch==2.9.1", "torch-xla==2.9.0", "transformers==4.57.6"} <= set(read_lock(LOCK))
     with pytest.raises(ValueError, match="pins no NEURON_RELEASE"):

@@ -75,6 +75,29 @@ def test_every_log_group_is_deleted_with_the_stack_and_every_function_logs_to_on
         assert log_group == {"Ref": log_group["Ref"]} and log_group["Ref"] in groups, name
 
 
+def test_only_the_deployment_writes_what_nodes_execute(default_env: Synthesized) -> None:
+    """The shipped code and node files: only the deployment's role; the folders FSx imports onto /fsx that nodes
+    execute (shared environment, fetched sources, compile cache): nobody, through S3."""
+    (policy,) = default_env.resources_of_type("AWS::S3::BucketPolicy").values()
+    statements = {s.get("Sid"): s for s in policy["Properties"]["PolicyDocument"]["Statement"]}
+    bucket = {"Fn::GetAtt": [logical_id(default_env, "AWS::S3::Bucket"), "Arn"]}
+    code = statements["OnlyTheDeploymentWritesNodeCode"]
+    assert code["Effect"] == "Deny" and code["Principal"] == {"AWS": "*"}
+    assert set(code["Action"]) == {"s3:PutObject", "s3:DeleteObject", "s3:DeleteObjectVersion"}
+    assert sorted(json.dumps(r, sort_keys=True) for r in code["Resource"]) == sorted(
+        json.dumps({"Fn::Join": ["", [bucket, f"/{prefix}*"]]}, sort_keys=True)
+        for prefix in ("pipeline/source/", "cluster/")
+    )
+    (writer,) = code["Condition"]["ArnNotEquals"]["aws:PrincipalArn"]["Fn::GetAtt"][:1]
+    assert writer.startswith("CustomCDKBucketDeployment") and "ServiceRole" in writer
+    imported = statements["NobodyWritesExecutedFileSystemFolders"]
+    assert imported["Effect"] == "Deny" and "Condition" not in imported
+    assert sorted(json.dumps(r, sort_keys=True) for r in imported["Resource"]) == sorted(
+        json.dumps({"Fn::Join": ["", [bucket, f"/fsx/{folder}/*"]]}, sort_keys=True)
+        for folder in ("envs", "pipeline", "neuron-cache")
+    )
+
+
 def test_results_bucket_expires_old_versions_and_abandoned_uploads(default_env: Synthesized) -> None:
     template_of(default_env).has_resource_properties(
         "AWS::S3::Bucket",
@@ -248,7 +271,7 @@ def test_cluster_waits_for_the_nat_route(default_env: Synthesized) -> None:
 def test_scheduling_scales_to_zero_and_terminates_on_update(default_env: Synthesized) -> None:
     scheduling = cluster_configuration(default_env)["Scheduling"]
     assert scheduling["SlurmSettings"] == {"ScaledownIdletime": 10, "QueueUpdateStrategy": "TERMINATE"}
-    (queue,) = scheduling["SlurmQueues"]
+    queue, cpu = scheduling["SlurmQueues"]
     (resource,) = queue["ComputeResources"]
     assert resource == {
         "Name": "trn1-32xlarge",
@@ -258,10 +281,17 @@ def test_scheduling_scales_to_zero_and_terminates_on_update(default_env: Synthes
         "Efa": {"Enabled": True},
     }
     assert queue["Networking"]["PlacementGroup"] == {"Enabled": True}
+    # The CPU stages' queue: on-demand r6a.8xlarge, no EFA, no placement group, scaled to zero too.
+    assert cpu["Name"] == "cpu" and cpu["CapacityType"] == "ONDEMAND" and "PlacementGroup" not in cpu["Networking"]
+    assert cpu["ComputeResources"] == [
+        {"Name": "r6a-8xlarge", "InstanceType": "r6a.8xlarge", "MinCount": 0, "MaxCount": 2}
+    ]
+    assert cpu["CustomActions"]["OnNodeConfigured"]["Args"][-2:] == ["--node-type", "cpu"]
+    assert cpu["Iam"] == queue["Iam"]
 
 
 def test_smoke_queue_has_no_efa_and_no_placement_group(smoke_env: Synthesized) -> None:
-    (queue,) = cluster_configuration(smoke_env)["Scheduling"]["SlurmQueues"]
+    queue, _ = cluster_configuration(smoke_env)["Scheduling"]["SlurmQueues"]
     assert queue["ComputeResources"][0]["Efa"] == {"Enabled": False}
     assert queue["ComputeResources"][0]["MaxCount"] == 1
     assert queue["Networking"]["PlacementGroup"] == {"Enabled": False}
@@ -269,8 +299,8 @@ def test_smoke_queue_has_no_efa_and_no_placement_group(smoke_env: Synthesized) -
 
 def test_head_node_is_private_and_reached_through_ssm(default_env: Synthesized) -> None:
     head = cluster_configuration(default_env)["HeadNode"]
-    assert head["InstanceType"] == "r6a.12xlarge"
-    assert head["LocalStorage"]["RootVolume"]["Size"] == 1024
+    assert head["InstanceType"] == "m6a.2xlarge"  # the CPU stages run in the CPU queue, not here
+    assert head["LocalStorage"]["RootVolume"]["Size"] == 100
     assert head["Networking"]["SubnetId"]["Ref"].startswith("NetworkVpcprivate")
     assert {"Policy": "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"} in head["Iam"]["AdditionalIamPolicies"]
 
@@ -287,6 +317,14 @@ def test_bootstrap_script_is_an_asset_run_on_every_node(default_env: Synthesized
     assert head_action["Args"][4] == "--requirements"
     bucket = {"Ref": logical_id(default_env, "AWS::S3::Bucket")}
     assert head_action["Args"][5] == {"Fn::Join": ["", ["s3://", bucket, "/cluster/cluster-requirements.txt"]]}
+    assert head_action["Args"][6:] == [
+        "--trainium-partition",
+        "compute1",
+        "--neuron-devices",
+        "16",
+        "--efa-devices",
+        "8",
+    ]
 
 
 def node_policy(env: Synthesized, which: str) -> dict[str, Any]:
@@ -306,17 +344,26 @@ def grants(policy: dict[str, Any]) -> set[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize(
-    ("which", "write_prefix"),
-    # The head node writes the SSM output the pipeline reads back; compute nodes run the export stage.
-    [("Head", "pipeline/ssm-output/"), ("Compute", "results/")],
+    ("which", "read_prefixes", "write_prefix"),
+    # The head node fetches the code and writes the SSM output the pipeline reads back; compute nodes run
+    # the export stage. Both read the node files.
+    [
+        ("Head", ("pipeline/source/", "cluster/", "results/"), "pipeline/ssm-output/"),
+        ("Compute", ("cluster/", "results/"), "results/"),
+    ],
 )
-def test_node_policies_are_scoped_to_the_bucket(default_env: Synthesized, which: str, write_prefix: str) -> None:
+def test_node_policies_are_scoped_to_prefixes_of_the_bucket(
+    default_env: Synthesized, which: str, read_prefixes: tuple[str, ...], write_prefix: str
+) -> None:
     policy = node_policy(default_env, which)
     # ParallelCluster's provider may attach only policies under /parallelcluster/.
     assert policy["Path"] == "/parallelcluster/"
     bucket = {"Fn::GetAtt": [logical_id(default_env, "AWS::S3::Bucket"), "Arn"]}
-    objects = {"Fn::Join": ["", [bucket, "/*"]]}
-    writable = json.dumps({"Fn::Join": ["", [bucket, f"/{write_prefix}*"]]}, sort_keys=True)
+
+    def under(prefix: str) -> str:
+        return json.dumps({"Fn::Join": ["", [bucket, f"/{prefix}*"]]}, sort_keys=True)
+
+    writable = under(write_prefix)
     script = cluster_configuration(default_env)["HeadNode"]["CustomActions"]["OnNodeConfigured"]["Script"]["Fn::Sub"]
     script_arn = {
         "Fn::Sub": [
@@ -330,7 +377,7 @@ def test_node_policies_are_scoped_to_the_bucket(default_env: Synthesized, which:
     namespace = json.dumps({"StringEquals": {"cloudwatch:namespace": "Trainium/default"}}, sort_keys=True)
     assert grants(policy) == {
         ("s3:ListBucket", json.dumps(bucket, sort_keys=True), "null"),
-        ("s3:GetObject", json.dumps(objects, sort_keys=True), "null"),
+        *(("s3:GetObject", under(prefix), "null") for prefix in read_prefixes),
         ("s3:PutObject", writable, "null"),
         ("s3:DeleteObject", writable, "null"),
         ("s3:GetObject", json.dumps(script_arn, sort_keys=True), "null"),

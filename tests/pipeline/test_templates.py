@@ -54,7 +54,8 @@ def test_cluster_scripts_carry_the_cluster_settings() -> None:
     for stage, text in scripts.items():
         assert f"#SBATCH --job-name=RUN-ID-{stage}\n" in text
         assert f"#SBATCH --output=/fsx/runs/RUN-ID/logs/{stage}-%j.out\n" in text
-        assert "#SBATCH --exclusive\n" in text and "#SBATCH --partition=compute1\n" in text
+        queue = "compute1" if stage in ("compile", "train") else "cpu"  # the CPU stages never hold a trn1 node
+        assert "#SBATCH --exclusive\n" in text and f"#SBATCH --partition={queue}\n" in text
         assert "FI_PROVIDER=efa" in text and "--cache_dir=/fsx/neuron-cache" in text
         assert "gpu" not in text.lower() and "cuda" not in text.lower() and "nccl" not in text.lower()
     assert "#SBATCH --nodes=4\n" in scripts["train"] and "#SBATCH --requeue\n" in scripts["train"]

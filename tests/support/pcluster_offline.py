@@ -122,6 +122,68 @@ def _neuron_info(devices: int) -> dict:
     }
 
 
+def _amd_general_record(
+    name: str,
+    *,
+    vcpus: int,
+    memory_gib: int,
+    performance: str,
+    interfaces: int,
+    ips_per_interface: int,
+    network_gbit: tuple[float, float],
+    ebs_mbps: tuple[int, int],
+) -> dict[str, Any]:
+    """A DescribeInstanceTypes record of a 6th-generation AMD (m6a/r6a) shape: no EFA, no instance store."""
+    baseline, peak = ebs_mbps
+    return {
+        "InstanceType": name,
+        "CurrentGeneration": True,
+        "FreeTierEligible": False,
+        "SupportedUsageClasses": ["on-demand", "spot"],
+        "SupportedRootDeviceTypes": ["ebs"],
+        "SupportedVirtualizationTypes": ["hvm"],
+        "BareMetal": False,
+        "Hypervisor": "nitro",
+        "ProcessorInfo": {"SupportedArchitectures": ["x86_64"], "SustainedClockSpeedInGhz": 3.6, "Manufacturer": "AMD"},
+        "VCpuInfo": {
+            "DefaultVCpus": vcpus,
+            "DefaultCores": vcpus // 2,
+            "DefaultThreadsPerCore": 2,
+            "ValidThreadsPerCore": [1, 2],
+        },
+        "MemoryInfo": {"SizeInMiB": memory_gib * 1024},
+        "InstanceStorageSupported": False,
+        "EbsInfo": {
+            "EbsOptimizedSupport": "default",
+            "EncryptionSupport": "supported",
+            "EbsOptimizedInfo": {
+                "BaselineBandwidthInMbps": baseline,
+                "BaselineThroughputInMBps": baseline / 8,
+                "BaselineIops": baseline * 4,
+                "MaximumBandwidthInMbps": peak,
+                "MaximumThroughputInMBps": peak / 8,
+                "MaximumIops": peak * 4,
+            },
+            "NvmeSupport": "required",
+        },
+        "NetworkInfo": {
+            "NetworkPerformance": performance,
+            "MaximumNetworkInterfaces": interfaces,
+            "MaximumNetworkCards": 1,
+            "DefaultNetworkCardIndex": 0,
+            "NetworkCards": _network_cards(1, performance, interfaces, *network_gbit),
+            "Ipv4AddressesPerInterface": ips_per_interface,
+            "Ipv6AddressesPerInterface": ips_per_interface,
+            "Ipv6Supported": True,
+            "EnaSupport": "required",
+            "EfaSupported": False,
+            "EncryptionInTransitSupported": True,
+            "EnaSrdSupported": False,
+        },
+        "PlacementGroupInfo": {"SupportedStrategies": ["cluster", "partition", "spread"]},
+    }
+
+
 # DescribeInstanceTypes records (the API's own field names and layout), one per instance type the
 # offline EC2 knows. Values follow the EC2 instance-type specifications (vCPU/cores, memory, network
 # cards and ENIs, EFA, Neuron devices, instance store, EBS, placement strategies, usage classes),
@@ -396,6 +458,37 @@ INSTANCE_TYPES: dict[str, dict[str, Any]] = {
         },
         "PlacementGroupInfo": {"SupportedStrategies": ["cluster", "partition", "spread"]},
     },
+    # The default head node (m6a.2xlarge) and CPU queues (r6a.2xlarge, r6a.8xlarge), from the EC2 instance-type pages.
+    "m6a.2xlarge": _amd_general_record(
+        "m6a.2xlarge",
+        vcpus=8,
+        memory_gib=32,
+        performance="Up to 12.5 Gigabit",
+        interfaces=4,
+        ips_per_interface=15,
+        network_gbit=(3.125, 12.5),
+        ebs_mbps=(2500, 10000),
+    ),
+    "r6a.2xlarge": _amd_general_record(
+        "r6a.2xlarge",
+        vcpus=8,
+        memory_gib=64,
+        performance="Up to 12.5 Gigabit",
+        interfaces=4,
+        ips_per_interface=15,
+        network_gbit=(3.125, 12.5),
+        ebs_mbps=(2500, 10000),
+    ),
+    "r6a.8xlarge": _amd_general_record(
+        "r6a.8xlarge",
+        vcpus=32,
+        memory_gib=256,
+        performance="12.5 Gigabit",
+        interfaces=8,
+        ips_per_interface=30,
+        network_gbit=(12.5, 12.5),
+        ebs_mbps=(10000, 10000),
+    ),
     "c5.xlarge": {
         "InstanceType": "c5.xlarge",
         "CurrentGeneration": True,

@@ -25,6 +25,7 @@ class Site(StrictModel):
         None, description="directory of Slurm's commands (ParallelCluster: /opt/slurm/bin); default: found on PATH"
     )
     partition: Str | None = None
+    cpu_partition: Str | None = Field(None, description="partition of the single-node CPU stages (default: partition)")
     processes_per_node: PositiveInt | None = Field(None, description="default: the recipe's tp (one TP group a node)")
     exclusive: Bool = False
     neuron: Bool = Field(False, description="Neuron environment variables and neuron_parallel_compile")

@@ -151,7 +151,7 @@ def render(plan: RunPlan) -> dict[str, str]:
             "nodes": recipe.nodes if stage.distributed else 1,
             "time_minutes": site.time_minutes,
             "exclusive": site.exclusive,
-            "partition": site.partition,
+            "partition": site.partition if stage.distributed else site.cpu_partition or site.partition,
             "requeue": stage.name == "train",
             "setup": site.setup,
             "neuron": site.neuron,

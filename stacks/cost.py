@@ -1,0 +1,131 @@
+"""`python -m stacks.cost --env NAME`: what an environment costs per hour, from the same settings it deploys.
+
+Three states: idle (nodes scaled to zero: head node, file system, NAT), while a CPU stage runs (prepare,
+convert, sample, export: the CPU queue's nodes start), and while training (every Trainium node). List
+prices from `stacks/instance_types.py` (us-west-2 on-demand); data transfer, S3 and CloudWatch are left
+out. The README's cost table is this command's output for the default environment (a test keeps it so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stacks.config import EnvironmentConfig, load_environment
+from stacks.instance_types import (
+    COMPUTE_INSTANCE_TYPES,
+    CPU_INSTANCE_TYPES,
+    FSX_SCRATCH_2_USD_PER_GB_MONTH,
+    GP3_USD_PER_GIB_MONTH,
+    HOURS_PER_MONTH,
+    NAT_GATEWAY_USD_PER_HOUR,
+)
+from training.errors import UserError, report
+
+IDLE_TARGET_USD_PER_HOUR = 0.75  # what an environment left deployed but unused should cost at most
+
+
+@dataclass(frozen=True)
+class CostLine:
+    item: str
+    idle: float  # USD per hour
+    cpu_stage: float
+    training: float
+
+
+def volume_usd_per_hour(gib: int) -> float:
+    return gib * GP3_USD_PER_GIB_MONTH / HOURS_PER_MONTH
+
+
+def cost_lines(config: EnvironmentConfig) -> list[CostLine]:
+    head = CPU_INSTANCE_TYPES[config.head_node.instance_type]
+    head_root = volume_usd_per_hour(config.head_node.root_volume_gib)
+    fsx = config.storage.fsx_capacity_gib * FSX_SCRATCH_2_USD_PER_GB_MONTH / HOURS_PER_MONTH
+    compute = config.compute
+    trainium = COMPUTE_INSTANCE_TYPES[compute.instance_type].usd_per_hour
+    idle_nodes, nodes = compute.node_counts
+    trainium_root = volume_usd_per_hour(compute.root_volume_gib)
+    lines = [
+        CostLine(
+            f"Head node {config.head_node.instance_type}", head.usd_per_hour, head.usd_per_hour, head.usd_per_hour
+        ),
+        CostLine(f"Head node root volume, {config.head_node.root_volume_gib} GiB gp3", head_root, head_root, head_root),
+        CostLine(f"FSx for Lustre SCRATCH_2, {config.storage.fsx_capacity_gib} GiB", fsx, fsx, fsx),
+        CostLine("NAT gateway (plus $0.045 per GB processed)", *(NAT_GATEWAY_USD_PER_HOUR,) * 3),
+        CostLine(
+            f"{compute.instance_type} x {nodes} ({idle_nodes} while idle)",
+            idle_nodes * trainium,
+            idle_nodes * trainium,
+            nodes * trainium,
+        ),
+        CostLine(
+            f"Trainium root volumes, {compute.root_volume_gib} GiB gp3 each",
+            idle_nodes * trainium_root,
+            idle_nodes * trainium_root,
+            nodes * trainium_root,
+        ),
+    ]
+    if config.cpu_queue is not None:
+        cpu = config.cpu_queue
+        per_node = CPU_INSTANCE_TYPES[cpu.instance_type].usd_per_hour + volume_usd_per_hour(cpu.root_volume_gib)
+        lines.append(
+            CostLine(
+                f"CPU queue {cpu.instance_type} x {cpu.max_count}, {cpu.root_volume_gib} GiB root (CPU stages only)",
+                0.0,
+                cpu.max_count * per_node,
+                0.0,
+            )
+        )
+    return lines
+
+
+def render_table(config: EnvironmentConfig) -> str:
+    """The cost table in Markdown, with totals and the idle month."""
+    lines = cost_lines(config)
+    rows = [
+        f"| Line item (environment `{config.name}`) | Idle | While a CPU stage runs | While training |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    rows += [
+        f"| {line.item} | {money(line.idle)} | {money(line.cpu_stage)} | {money(line.training)} |" for line in lines
+    ]
+    idle, cpu_stage, training = (
+        sum(getattr(line, column) for line in lines) for column in ("idle", "cpu_stage", "training")
+    )
+    rows.append(
+        f"| **Total** (idle month: ~${idle * HOURS_PER_MONTH:,.0f}) | **{money(idle)}** | **{money(cpu_stage)}** "
+        f"| **{money(training)}** |"
+    )
+    return "\n".join(rows) + "\n"
+
+
+def idle_usd_per_hour(config: EnvironmentConfig) -> float:
+    return sum(line.idle for line in cost_lines(config))
+
+
+def money(usd_per_hour: float) -> str:
+    if not usd_per_hour:
+        return "$0"
+    return f"${usd_per_hour:,.3f}/h" if usd_per_hour < 0.1 else f"${usd_per_hour:,.2f}/h"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stacks.cost", description=__doc__.splitlines()[0])
+    parser.add_argument("--env", default="default", help="environment name (environments/NAME.yaml)")
+    arguments = parser.parse_args(argv)
+    try:
+        config = load_environment(arguments.env)
+    except UserError as error:
+        report(error)
+        return 2
+    print(render_table(config), end="")
+    idle = idle_usd_per_hour(config)
+    verdict = "within" if idle <= IDLE_TARGET_USD_PER_HOUR else "ABOVE"
+    print(f"\nIdle: ${idle:.2f}/h, {verdict} the ${IDLE_TARGET_USD_PER_HOUR:.2f}/h target for an unused environment.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

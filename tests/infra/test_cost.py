@@ -1,0 +1,57 @@
+"""The cost table: computed from the environment's own settings, and the README shows exactly that output."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from stacks.application import ENVIRONMENTS_DIR
+from stacks.config import load_environment
+from stacks.cost import IDLE_TARGET_USD_PER_HOUR, cost_lines, idle_usd_per_hour, main, render_table
+from tests.conftest import ROOT
+
+
+def test_readme_cost_table_is_the_command_output_for_the_default_environment() -> None:
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- python -m stacks.cost --env default -->\n(.*?)<!-- end -->", readme, flags=re.DOTALL)
+    assert match, "README: the cost table's markers are missing"
+    assert match.group(1) == render_table(load_environment("default", ENVIRONMENTS_DIR)), "run `make cost`"
+
+
+@pytest.mark.parametrize("name", ["default", "smoke"])
+def test_an_unused_environment_costs_at_most_the_target(name: str) -> None:
+    assert idle_usd_per_hour(load_environment(name, ENVIRONMENTS_DIR)) <= IDLE_TARGET_USD_PER_HOUR
+
+
+def test_the_default_idles_on_head_node_file_system_and_nat_only() -> None:
+    config = load_environment("default", ENVIRONMENTS_DIR)
+    billed_while_idle = {line.item.split(",")[0].split(" (")[0] for line in cost_lines(config) if line.idle}
+    assert billed_while_idle == {
+        "Head node m6a.2xlarge",
+        "Head node root volume",
+        "FSx for Lustre SCRATCH_2",
+        "NAT gateway",
+    }
+    assert round(idle_usd_per_hour(config), 2) == 0.63  # 0.3456 + 0.011 + 0.2301 + 0.045
+
+
+def test_a_capacity_block_bills_its_nodes_while_idle() -> None:
+    config = load_environment("default", ENVIRONMENTS_DIR)
+    block = config.model_copy(
+        update={
+            "compute": config.compute.model_copy(
+                update={"capacity": config.compute.capacity.model_copy(update={"type": "capacity-block"})}
+            )
+        }
+    )
+    assert idle_usd_per_hour(block) > 4 * 21.5  # every node of a block is static (and paid for)
+
+
+def test_the_command_prints_the_table_and_the_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--env", "default"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(render_table(load_environment("default", ENVIRONMENTS_DIR)))
+    assert "Idle: $0.63/h, within the $0.75/h target" in out
+    assert main(["--env", "missing"]) == 2
+    assert "environments/missing.yaml: no such environment file" in capsys.readouterr().err
