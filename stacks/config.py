@@ -178,6 +178,9 @@ class PipelineConfig(StrictModel):
     )
     recipe: Str = "llama31-8b-cpt"
     overrides: tuple[Str, ...] = Field((), description="recipe key=value overrides, e.g. 'steps=100'")
+    export_optimizer_state: Bool = Field(
+        False, description="destroy exports /fsx/runs to S3; the checkpoints' optimizer state only when true"
+    )
     timeout_minutes: Annotated[
         int, Field(strict=True, ge=1, le=55), Allowed("1 to 55 (CloudFormation waits an hour)")
     ] = Field(30, description="bound on any wait of the deploy and destroy hooks")

@@ -177,6 +177,7 @@ class Pipeline(Construct):
                 "HeadNodeInstanceId": head_node_instance_id,
                 "StartRun": "true" if pipeline.start_run else "false",
                 "Run": str(pipeline.run),
+                "ExportOptimizerState": "true" if pipeline.export_optimizer_state else "false",
                 "Recipe": pipeline.recipe,
                 "RecipeOverrides": list(pipeline.overrides),
                 "SourceBucket": bucket.bucket_name,

@@ -680,7 +680,7 @@ def test_delete_with_a_live_head_node_cancels_then_exports(
     assert command["Parameters"]["commands"] == cancel.splitlines()
     assert f"run_id={run_id}" in cancel.splitlines()
     assert (
-        '  PYTHONPATH="$source_dir" exec "$python" -m training cancel --run-id "$run_id" --site "$site_file"'
+        '  PYTHONPATH="$source_dir" "$python" -m training cancel --run-id "$run_id" --site "$site_file" || exit'
         in cancel.splitlines()
     )
     state = poll_event(event, result)
@@ -861,8 +861,10 @@ with open(runs / "calls.jsonl", "a") as log:
     log.write(json.dumps(args) + "\\n")
 if args[0] == "submit" and args[args.index("--recipe") + 1] == "broken":
     sys.exit(print("error: sbatch --parsable failed: sbatch: error: invalid partition", file=sys.stderr) or 2)
-if args[0] == "cancel":
+if args[0] == "cancel" and (runs / "cancel-fails").exists():
     sys.exit(print("error: scancel failed: Invalid job id specified", file=sys.stderr) or 2)
+if args[0] == "cancel":
+    sys.exit(print("run: cancelled jobs 1, 2"))
 run_id = args[args.index("--run-id") + 1]
 (runs / run_id).mkdir(parents=True, exist_ok=True)
 record = {"run_id": run_id, "stages": ["prepare", "train"], "submissions": [{"jobs": {"prepare": "1", "train": "2"}}]}
@@ -1020,6 +1022,7 @@ def test_cancel_script_cancels_nothing_before_a_submission_and_fails_with_the_cl
     assert nothing.returncode == 0 and "nothing to cancel" in nothing.stdout
 
     assert run_bash(handler.submit_script(props, run_id), head_node["env"], head_node["tmp"]).returncode == 0
+    (head_node["mount"] / "runs" / "cancel-fails").touch()
     failed = run_bash(cancel, head_node["env"], head_node["tmp"])  # the stand-in's `training cancel` exits 2
     assert failed.returncode == 2
     assert handler.output_tail(failed.stdout, failed.stderr).endswith("error: scancel failed: Invalid job id specified")
@@ -1032,6 +1035,33 @@ def test_cancel_script_cancels_nothing_before_a_submission_and_fails_with_the_cl
         str(head_node["mount"] / "pipeline" / "site-default.yaml"),
     ]
     assert build_parser().parse_args(calls[-1]).run_id == run_id
+
+
+@pytest.mark.parametrize("export_optimizer", ["false", "true"])
+def test_cancel_script_keeps_optimizer_state_out_of_the_export_unless_asked(
+    head_node: dict[str, Any], export_optimizer: str
+) -> None:
+    props = handler.parse_properties(head_node["props"] | {"ExportOptimizerState": export_optimizer})
+    run_id = handler.run_id_of(props)
+    assert run_bash(handler.submit_script(props, run_id), head_node["env"], head_node["tmp"]).returncode == 0
+    runs = head_node["mount"] / "runs"
+    for step in ("step_5", "step_10"):
+        for part in ("model", "optim"):
+            (runs / run_id / "checkpoints" / step / part).mkdir(parents=True)
+            (runs / run_id / "checkpoints" / step / part / "dp_rank_00_tp_rank_00_pp_rank_00.pt").write_text(part)
+
+    done = run_bash(handler.cancel_script(props, run_id), head_node["env"], head_node["tmp"])
+
+    assert done.returncode == 0, done.stderr
+    checkpoints = runs / run_id / "checkpoints"
+    assert (checkpoints / "step_10" / "model").is_dir() and (checkpoints / "step_5" / "model").is_dir()
+    aside = head_node["mount"] / ".not-exported" / run_id / "checkpoints"
+    if export_optimizer == "true":
+        assert (checkpoints / "step_10" / "optim").is_dir() and not aside.exists()
+    else:
+        assert not list(checkpoints.glob("*/optim"))  # the export copies runs/: no optimizer state in it
+        assert (aside / "step_10" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").read_text() == "optim"
+        assert f"not exported (optimizer state): {run_id}/checkpoints/step_5/optim" in done.stdout
 
 
 # --- Pure helpers -----------------------------------------------------------------------------------------

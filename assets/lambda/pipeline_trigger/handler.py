@@ -75,6 +75,7 @@ class Props:
     source_key: str
     source_hash: str
     site: dict[str, Any]
+    export_optimizer_state: bool  # on destroy, export training checkpoints' optimizer state too
     shared_env: str | None  # the environment to bring up to date before submitting; None: left as it is
     neuron_release: str | None
     file_system_id: str
@@ -160,6 +161,7 @@ def parse_properties(raw: Mapping[str, Any]) -> Props:
         source_key=text("SourceKey"),
         source_hash=source_hash,
         site=site,
+        export_optimizer_state=parse_bool(raw.get("ExportOptimizerState", "false"), "ExportOptimizerState"),
         shared_env=shared_env,
         neuron_release=None if neuron_release is None else str(neuron_release),
         file_system_id=text("FileSystemId"),
@@ -319,7 +321,9 @@ def submit_script(props: Props, run_id: str) -> str:
 
 def cancel_script(props: Props, run_id: str) -> str:
     """Cancel the run's jobs. A never-submitted run is nothing to cancel; a failed cancel fails the script,
-    so the Delete stops with the reason instead of exporting and deleting under running jobs."""
+    so the Delete stops with the reason instead of exporting and deleting under running jobs. Then, unless
+    the optimizer state is to be exported, move it out of the runs directory the export copies: it stays on
+    the file system, which is deleted right after, instead of filling the kept bucket."""
     q = shlex.quote
     paths = paths_of(props)
     lines = [
@@ -332,12 +336,30 @@ def cancel_script(props: Props, run_id: str) -> str:
         f"run_id={q(run_id)}",
         'if [[ -d "$source_dir" && -f "$site_file" ]]; then',
         '  cd "$source_dir" || exit',
-        '  PYTHONPATH="$source_dir" exec "$python" -m training cancel --run-id "$run_id" --site "$site_file"',
+        '  PYTHONPATH="$source_dir" "$python" -m training cancel --run-id "$run_id" --site "$site_file" || exit',
         "else",
         '  echo "run $run_id: $source_dir or $site_file is missing; nothing to cancel"',
         "fi",
+        *([] if props.export_optimizer_state else optimizer_set_aside_lines(props)),
     ]
     return "\n".join(lines) + "\n"
+
+
+def optimizer_set_aside_lines(props: Props) -> list[str]:
+    """Shell lines moving every `<run>/checkpoints/<step>/optim` out of the runs directory (into a hidden
+    folder of the same file system, so it is a rename)."""
+    q = shlex.quote
+    paths = paths_of(props)
+    return [
+        f"runs_root={q(paths.runs_root)}",
+        f"aside={q(props.mount_dir.rstrip('/') + '/.not-exported')}",
+        "while IFS= read -r -d '' optimizer; do",
+        '  relative=${optimizer#"$runs_root"/}',
+        '  mkdir -p "$aside/$(dirname "$relative")" || exit',
+        '  mv -T "$optimizer" "$aside/$relative" || exit',
+        '  echo "not exported (optimizer state): $relative"',
+        "done < <(find \"$runs_root\" -mindepth 4 -maxdepth 4 -type d -path '*/checkpoints/*/optim' -print0)",
+    ]
 
 
 def parse_run_line(stdout: str) -> dict[str, Any] | None:
