@@ -31,7 +31,13 @@ from stacks.pcluster_config import ClusterResources, build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
 from stacks.training_environment import cluster_settings, node_health
 from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized, cdk_json_context
-from tests.support.pcluster_offline import errors_of, run_offline_validation, validate_cluster_config
+from tests.support.pcluster_offline import (
+    VPC_ID,
+    FileSystems,
+    errors_of,
+    run_offline_validation,
+    validate_cluster_config,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -136,11 +142,44 @@ def subnet_zones_of(template: dict[str, Any], region: str) -> dict[str, str]:
     }
 
 
+def file_systems_of(template: dict[str, Any]) -> FileSystems:
+    """Every file system of the template as FSx describes it, with the network interface FSx gives it in its
+    subnet, carrying its security groups: what ParallelCluster checks the Lustre ports against."""
+    resources = template["Resources"]
+    file_systems: dict[str, dict[str, Any]] = {}
+    interfaces: dict[str, dict[str, Any]] = {}
+    for name, resource in resources.items():
+        if resource["Type"] != "AWS::FSx::FileSystem":
+            continue
+        properties = resource["Properties"]
+        fs_id = resolve({"Ref": name}, resources)
+        subnets = [resolve(subnet, resources) for subnet in properties["SubnetIds"]]
+        eni = placeholder_id("eni", name)
+        file_systems[fs_id] = {
+            "FileSystemId": fs_id,
+            "FileSystemType": properties["FileSystemType"],
+            "Lifecycle": "AVAILABLE",
+            "StorageCapacity": properties["StorageCapacity"],
+            "VpcId": VPC_ID,
+            "SubnetIds": subnets,
+            "NetworkInterfaceIds": [eni],
+            "LustreConfiguration": {"DeploymentType": properties["LustreConfiguration"]["DeploymentType"]},
+        }
+        interfaces[eni] = {
+            "NetworkInterfaceId": eni,
+            "VpcId": VPC_ID,
+            "SubnetId": subnets[0],
+            "Groups": [{"GroupId": resolve(group, resources)} for group in properties["SecurityGroupIds"]],
+        }
+    return FileSystems(file_systems=file_systems, network_interfaces=interfaces)
+
+
 def account_of(env: Synthesized) -> dict[str, Any]:
     """What the account holds once the template is deployed, answered from the template itself."""
     return {
         "security_groups": security_groups_of(env.template),
         "subnet_azs": subnet_zones_of(env.template, env.config.region),
+        "file_systems": file_systems_of(env.template),
     }
 
 
@@ -173,7 +212,9 @@ def test_synthesized_configuration_passes_parallelcluster_validation(
         configuration, cluster_name=env.config.cluster_name, region=env.config.region, **account_of(env)
     )
     assert errors_of(report.findings) == []
-    assert {"SecurityGroupsValidator", "EfaSecurityGroupValidator"} <= set(report.executed_validators)
+    assert {"SecurityGroupsValidator", "EfaSecurityGroupValidator", "ExistingFsxNetworkingValidator"} <= set(
+        report.executed_validators
+    )
 
 
 def test_efa_needs_the_cluster_group_open_to_itself_both_ways(default_env: Synthesized) -> None:
@@ -190,6 +231,20 @@ def test_efa_needs_the_cluster_group_open_to_itself_both_ways(default_env: Synth
     assert [(f.validator, f.message[:32]) for f in errors_of(findings)] == [
         ("EfaSecurityGroupValidator", "An EFA requires a security group")
     ]
+
+
+def test_the_file_system_must_open_the_lustre_ports_to_the_nodes(default_env: Synthesized) -> None:
+    """ParallelCluster's FSx networking validator, fed the template's file system, its security group and the
+    nodes' group: without the Lustre rule from the cluster group it rejects the cluster."""
+    configuration = resolved_configuration(default_env)
+    account = account_of(default_env)
+    (interface,) = account["file_systems"].network_interfaces.values()
+    (fsx_group,) = (g["GroupId"] for g in interface["Groups"])
+    group = account["security_groups"][fsx_group]
+    group["IpPermissions"] = [p for p in group["IpPermissions"] if p.get("FromPort") != 988]
+    findings = validate_cluster_config(configuration, cluster_name="trn1-llama", region="us-west-2", **account)
+    (error,) = errors_of(findings)
+    assert error.validator == "ExistingFsxNetworkingValidator" and "Missing ports: [988]" in error.message
 
 
 def test_parallelcluster_validation_catches_a_broken_configuration(default_env: Synthesized) -> None:

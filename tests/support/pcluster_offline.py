@@ -21,7 +21,9 @@ Nothing in pcluster is patched. The AWS boundary is replaced instead:
 * DescribeSecurityGroups, when the caller passes the groups (``security_groups=``, built from the same
   template), which runs the security-group validators for real; DescribeCapacityReservations, when the
   caller passes the reservations (``capacity_reservations=``, as the account holds them), which runs the
-  capacity reservation validators for real;
+  capacity reservation validators for real; DescribeFileSystems and DescribeNetworkInterfaces, when the
+  caller passes the file systems and their network interfaces (``file_systems=``, from the template), which
+  with the security groups runs the FSx networking validator (Lustre ports both ways) for real;
 * validators whose verdict depends on real account resources (security groups unless given, IAM, S3 objects, key
   pairs, existing FSx networking, launch-template dry runs, ...) are switched off with pcluster's
   ``TypeMatchValidatorsSuppressor``; they are listed, with the reason, in ``SUPPRESSED_VALIDATORS``.
@@ -75,6 +77,8 @@ __all__ = [
     "INSTANCE_TYPES",
     "SCHEMA_VALIDATOR",
     "SUPPRESSED_VALIDATORS",
+    "VPC_ID",
+    "FileSystems",
     "OfflineValidationReport",
     "SuppressedValidator",
     "UnknownInstanceTypeError",
@@ -559,6 +563,8 @@ class SuppressedValidator(NamedTuple):
 # Suppressed unless the security groups are given (`security_groups=`, e.g. built from a synthesized template):
 # with them, DescribeSecurityGroups is answered and these run for real.
 SECURITY_GROUP_VALIDATORS = ("SecurityGroupsValidator", "EfaSecurityGroupValidator")
+# Suppressed unless the file systems and the security groups are given.
+FILE_SYSTEM_VALIDATORS = ("ExistingFsxNetworkingValidator",)
 # Suppressed unless the reservations are given (`capacity_reservations=`).
 CAPACITY_RESERVATION_VALIDATORS = (
     "CapacityReservationValidator",
@@ -650,7 +656,8 @@ def errors_of(findings: Iterable[ValidationFinding]) -> list[ValidationFinding]:
 
 _OFFICIAL_AMI_VOLUME_GIB = 40  # root snapshot size of the official ParallelCluster 3.x AMIs
 _OFFICIAL_AMI_BUILD = "202601010000 2026-01-01T00-00-00.000Z"
-_VPC_ID = "vpc-0a1b2c3d4e5f60718"
+VPC_ID = "vpc-0a1b2c3d4e5f60718"  # the one VPC of every subnet the offline EC2 describes
+_VPC_ID = VPC_ID
 _ARCHITECTURES = ("x86_64", "arm64")
 
 
@@ -713,6 +720,14 @@ def _official_images(region: str) -> list[dict[str, Any]]:
     return images
 
 
+@dataclass(frozen=True)
+class FileSystems:
+    """DescribeFileSystems records by id and DescribeNetworkInterfaces records of their interfaces by id."""
+
+    file_systems: Mapping[str, Mapping[str, Any]]
+    network_interfaces: Mapping[str, Mapping[str, Any]]
+
+
 class _OfflineAws:
     """In-process answers to the AWS API calls pcluster makes while loading and validating a config."""
 
@@ -723,8 +738,10 @@ class _OfflineAws:
         head_node_architecture: str,
         security_groups: Mapping[str, Mapping[str, Any]] | None = None,
         capacity_reservations: Mapping[str, Mapping[str, Any]] | None = None,
+        file_systems: FileSystems | None = None,
     ) -> None:
         self.region = region
+        self.file_systems = file_systems
         self.capacity_reservations = {key: dict(value) for key, value in (capacity_reservations or {}).items()}
         self.subnet_azs = dict(subnet_azs)
         self.security_groups = {key: dict(value) for key, value in (security_groups or {}).items()}
@@ -743,6 +760,8 @@ class _OfflineAws:
             self._handlers[("ec2", "DescribeSecurityGroups")] = self._describe_security_groups
         if capacity_reservations is not None:
             self._handlers[("ec2", "DescribeCapacityReservations")] = self._describe_capacity_reservations
+        if file_systems is not None:
+            self._handlers[("ec2", "DescribeNetworkInterfaces")] = self._describe_network_interfaces
 
     # botocore event hooks ------------------------------------------------------------------------
 
@@ -894,7 +913,23 @@ class _OfflineAws:
 
     # FSx -------------------------------------------------------------------------------------------
 
+    def _describe_network_interfaces(self, params: dict) -> dict:
+        assert self.file_systems is not None
+        interfaces = self.file_systems.network_interfaces
+        missing = [eni for eni in params.get("NetworkInterfaceIds", []) if eni not in interfaces]
+        if missing:
+            raise _AwsError(
+                "InvalidNetworkInterfaceID.NotFound", f"The networkInterface ID '{missing[0]}' does not exist"
+            )
+        return {"NetworkInterfaces": [copy.deepcopy(interfaces[eni]) for eni in params.get("NetworkInterfaceIds", [])]}
+
     def _describe_file_systems(self, params: dict) -> dict:
+        if self.file_systems is not None:
+            known = self.file_systems.file_systems
+            missing = [fs for fs in params.get("FileSystemIds", []) if fs not in known]
+            if missing:
+                raise _AwsError("FileSystemNotFound", f"File system '{missing[0]}' does not exist.")
+            return {"FileSystems": [copy.deepcopy(known[fs]) for fs in params.get("FileSystemIds", [])]}
         # An existing Lustre file system placed in the first known subnet (its real placement is unknown).
         subnet = next(iter(self.subnet_azs), "subnet-00000000000000000")
         file_systems = [
@@ -1069,6 +1104,7 @@ def run_offline_validation(
     subnet_azs: Mapping[str, str] | None = None,
     security_groups: Mapping[str, Mapping[str, Any]] | None = None,
     capacity_reservations: Mapping[str, Mapping[str, Any]] | None = None,
+    file_systems: FileSystems | None = None,
 ) -> OfflineValidationReport:
     """Load `config` with the real pcluster schema and run its validators offline; report what ran.
 
@@ -1084,12 +1120,15 @@ def run_offline_validation(
         raise ValueError(f"config Region {config_region!r} differs from region {region!r}")
     azs = _assign_availability_zones(config, region)
     azs.update(subnet_azs or {})
-    fake = _OfflineAws(region, azs, _head_node_architecture(config), security_groups, capacity_reservations)
+    fake = _OfflineAws(
+        region, azs, _head_node_architecture(config), security_groups, capacity_reservations, file_systems
+    )
     suppressed_names = {entry.name for entry in SUPPRESSED_VALIDATORS}
     # Their inputs are given: these validators run for real.
     for given, names in (
         (security_groups, SECURITY_GROUP_VALIDATORS),
         (capacity_reservations, CAPACITY_RESERVATION_VALIDATORS),
+        (file_systems if security_groups is not None else None, FILE_SYSTEM_VALIDATORS),
     ):
         if given is not None:
             suppressed_names -= set(names)
@@ -1130,6 +1169,7 @@ def validate_cluster_config(
     subnet_azs: Mapping[str, str] | None = None,
     security_groups: Mapping[str, Mapping[str, Any]] | None = None,
     capacity_reservations: Mapping[str, Mapping[str, Any]] | None = None,
+    file_systems: FileSystems | None = None,
 ) -> list[ValidationFinding]:
     """Validate a ParallelCluster 3.16.1 cluster config offline; return every finding (ERROR/WARNING/INFO).
 
@@ -1144,5 +1184,6 @@ def validate_cluster_config(
         subnet_azs=subnet_azs,
         security_groups=security_groups,
         capacity_reservations=capacity_reservations,
+        file_systems=file_systems,
     )
     return list(report.findings)
