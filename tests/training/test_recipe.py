@@ -76,6 +76,10 @@ def test_every_problem_is_reported_at_once_one_line_each(tmp_path: Path) -> None
         (["schedule.warmup_steps=30"], "schedule.warmup_steps: 30 is not allowed; allowed: 0 to steps (20)"),
         (["schedule.min_lr=1"], "schedule.min_lr: 1.0 is not allowed; allowed: at most optimizer.lr (0.003)"),
         (
+            ["data.validation_every=10"],
+            "data.validation_every: 10 is not allowed; allowed: 0, or set data.validation_split as well",
+        ),
+        (
             ["precision=bf16"],
             "precision: 'bf16' is not allowed; allowed: fp32 with backend cpu (bf16 needs backend neuron)",
         ),

@@ -94,13 +94,59 @@ def test_first_step_loss_is_the_transformers_loss_of_the_pretrained_weights(
     assert result.returncode == 0, result.stderr[-3000:]
     logged = metrics(tmp_path / "ckpt")[0]["loss"]
     reference = AutoModelForCausalLM.from_pretrained(llama_world["hf"])
-    data = TrainingData(llama_world["data"], "train", 64)
+    data = TrainingData(llama_world["data"], "train", 64, shuffle_seed=42)  # the recipe's seed
     losses = []
     for start in range(0, 8, 2):  # global batch 8 in micro batches of 2, as the recipe runs it
         input_ids, _ = data.batch(range(start, start + 2))
         with torch.no_grad():
             losses.append(float(reference(input_ids, labels=input_ids).loss))
     assert logged == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def test_shuffled_order_is_a_new_permutation_each_epoch_and_a_pure_function_of_the_sample(
+    llama_world: dict[str, Path],
+) -> None:
+    """Resume stays bit-identical because the block of sample k depends on k alone, yet epochs differ."""
+    data = TrainingData(llama_world["data"], "train", 64, shuffle_seed=42)
+    n = len(data)
+    epochs = [[data.row(k) for k in range(e * n, (e + 1) * n)] for e in range(3)]
+    assert all(sorted(order) == list(range(n)) for order in epochs)
+    assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != list(range(n))
+    fresh = TrainingData(llama_world["data"], "train", 64, shuffle_seed=42)
+    assert [fresh.row(k) for k in reversed(range(3 * n))] == [r for order in epochs for r in order][::-1]
+    other_seed = TrainingData(llama_world["data"], "train", 64, shuffle_seed=7)
+    assert [other_seed.row(k) for k in range(n)] != epochs[0]
+    in_order = TrainingData(llama_world["data"], "train", 64)
+    assert [in_order.row(k) for k in range(2 * n)] == list(range(n)) * 2
+
+
+def test_validation_loss_is_the_language_model_loss_on_the_validation_blocks(
+    mixtral_world: dict[str, Path], tmp_path: Path
+) -> None:
+    """Logged every `validation_every` steps and at the end, with the step's record; at the last step it equals
+    transformers' loss of the final weights on the same validation blocks (no router loss in it)."""
+    from training.data.prepare import SftOptions, prepare_sft
+
+    data = tmp_path / "data"
+    source, tokenizer = str(mixtral_world["source"]), str(mixtral_world["tokenizer"])
+    prepare_sft(SftOptions(source=source, tokenizer=tokenizer, seq_len=64, out=data, validation=source))
+    extra = ("steps=5", f"data.path={data}", "data.validation_split=validation", "data.validation_every=2")
+    overrides = [*world_overrides(mixtral_world, tmp_path / "ckpt"), *extra]
+    overrides.remove(f"data.path={mixtral_world['data']}")
+    result = torchrun("tiny-mixtral-sft", overrides, processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = metrics(tmp_path / "ckpt")
+    assert [r["step"] for r in records if "validation_loss" in r] == [2, 4, 5]
+    convert(ConvertOptions(source_format="nxd", target_format="hf", input=tmp_path / "ckpt", output=tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    validation = TrainingData(data, "validation", 64)
+    losses = []
+    for batch in range(4):  # data.validation_batches micro batches of 2 on the one data-parallel rank
+        input_ids, targets = validation.batch(range(batch * 2, batch * 2 + 2))
+        labels = torch.cat([input_ids[:, :1], targets[:, :-1]], dim=1)  # back to transformers' aligned labels
+        with torch.no_grad():
+            losses.append(float(model(input_ids, labels=labels).loss))
+    assert records[-1]["validation_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
 
 
 def tensors_of(step_dir: Path) -> dict[str, torch.Tensor]:

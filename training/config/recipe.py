@@ -47,6 +47,12 @@ class ModelSection(StrictModel):
 class DataSection(StrictModel):
     path: Str = Field(description="output directory of `python -m training prepare`")
     split: Str = "train"
+    shuffle: Bool = Field(
+        True, description="a new seeded order each epoch; the data position stays a function of the step"
+    )
+    validation_split: Str | None = Field(None, description="a split of data.path for the validation loss")
+    validation_every: NonNegativeInt = Field(0, description="steps between validation losses; 0: none")
+    validation_batches: PositiveInt = Field(4, description="micro batches per data-parallel rank in one validation")
 
 
 class ParallelismSection(StrictModel):
@@ -190,6 +196,12 @@ def validate(recipe: Recipe) -> list[str]:
         )
     if recipe.backend == "cpu" and recipe.precision != "fp32":
         problems.append(not_allowed("precision", recipe.precision, "fp32 with backend cpu (bf16 needs backend neuron)"))
+    if recipe.data.validation_every and recipe.data.validation_split is None:
+        problems.append(
+            not_allowed(
+                "data.validation_every", recipe.data.validation_every, "0, or set data.validation_split as well"
+            )
+        )
     if recipe.schedule.min_lr > recipe.optimizer.lr:
         problems.append(
             not_allowed("schedule.min_lr", recipe.schedule.min_lr, f"at most optimizer.lr ({recipe.optimizer.lr})")

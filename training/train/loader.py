@@ -1,7 +1,9 @@
 """Reading what `prepare` wrote, in an order that depends only on the step, so a resumed run continues
 exactly where it stopped (the reference restarts its data from sample 0).
 
-Sample k of the run is block `k % len(dataset)`: the global batch of step s is samples
+Sample k of the run is in epoch `k // n` at position `k % n` (n blocks); with shuffling, that position maps
+through the epoch's permutation, drawn from a generator seeded with (seed, epoch), so every epoch has its
+own order and the block of sample k is a pure function of k. The global batch of step s is samples
 [s * G, (s + 1) * G); data-parallel rank d takes the d-th contiguous slice of it, in micro batches.
 """
 
@@ -48,7 +50,9 @@ class BatchPlan:
 class TrainingData:
     """The blocks of one split of a `prepare` output, as (input_ids, targets) tensors."""
 
-    def __init__(self, path: Path, split: str, seq_len: int) -> None:
+    def __init__(self, path: Path, split: str, seq_len: int, *, shuffle_seed: int | None = None) -> None:
+        self.shuffle_seed = shuffle_seed
+        self._orders: dict[int, np.ndarray] = {}
         manifest_path = path / MANIFEST
         if not manifest_path.is_file():
             raise UserError(f"data.path {path}: no {MANIFEST}; run `python -m training prepare` first")
@@ -76,9 +80,20 @@ class TrainingData:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def row(self, sample: int) -> int:
+        """The block of run-wide sample `sample`."""
+        epoch, position = divmod(sample, len(self.dataset))
+        if self.shuffle_seed is None:
+            return position
+        if epoch not in self._orders:
+            if len(self._orders) > 1:  # a batch spans at most two epochs
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = np.random.default_rng([self.shuffle_seed, epoch]).permutation(len(self.dataset))
+        return int(self._orders[epoch][position])
+
     def batch(self, samples: range) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [n, S] and targets [n, S]: targets[t] is the token to predict at t (-100: none)."""
-        rows = [index % len(self.dataset) for index in samples]
+        rows = [self.row(index) for index in samples]
         columns = self.dataset[rows]
         input_ids = torch.from_numpy(np.asarray(columns["input_ids"], dtype=np.int64))
         labels = torch.from_numpy(np.asarray(columns["labels"], dtype=np.int64)) if self.has_labels else input_ids

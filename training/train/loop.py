@@ -99,7 +99,14 @@ def train(options: TrainOptions) -> dict[str, Any]:
     data_path = Path(recipe.data.path)
     if not data_path.is_dir():
         raise UserError(f"data.path {data_path}: no such directory (run `python -m training prepare` first)")
-    data = TrainingData(data_path, recipe.data.split, recipe.batch.seq_len)
+    data = TrainingData(
+        data_path, recipe.data.split, recipe.batch.seq_len, shuffle_seed=recipe.seed if recipe.data.shuffle else None
+    )
+    validation = (
+        TrainingData(data_path, recipe.data.validation_split, recipe.batch.seq_len)
+        if recipe.data.validation_split is not None and recipe.data.validation_every
+        else None
+    )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % recipe.parallelism.tp:
         raise UserError(
@@ -113,7 +120,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
         tp=recipe.parallelism.tp, backend=recipe.backend, neuron_options=neuron_trainer_options(recipe.optimizer)
     )
     try:
-        return _run(options, config, config_path, parallelism, plan, data)
+        return _run(options, config, config_path, parallelism, plan, data, validation)
     finally:
         parallel.destroy()
 
@@ -125,6 +132,7 @@ def _run(
     parallelism: Parallelism,
     plan: BatchPlan,
     data: TrainingData,
+    validation: TrainingData | None = None,
 ) -> dict[str, Any]:
     recipe = options.recipe
     _seed_everything(recipe.seed)
@@ -166,11 +174,19 @@ def _run(
     losses: list[float] = []
     window = _Window(time.perf_counter())
 
-    def report(done: int, loss_tensor: torch.Tensor, norm_tensor: torch.Tensor, learning_rate: float) -> None:
+    def report(
+        done: int,
+        loss_tensor: torch.Tensor,
+        norm_tensor: torch.Tensor,
+        learning_rate: float,
+        validation_tensor: torch.Tensor | None,
+    ) -> None:
         """Runs once the step's graph has run (a step closure on Neuron), so reading the values costs no graph."""
         loss = float(loss_tensor)
         elapsed = time.perf_counter() - window.start
         record = _metrics_record(recipe, plan, done, loss, learning_rate, float(norm_tensor), elapsed, window.steps)
+        if validation_tensor is not None:
+            record["validation_loss"] = round(float(validation_tensor), 6)
         peak_flops = recipe.peak_tflops_per_worker * 1e12 * parallel.world_size()
         record["mfu"] = round(flops_per_token * record["tokens_per_second"] / peak_flops, 6)
         record.update(graph_counters())
@@ -200,8 +216,11 @@ def _run(
             loss = _data_parallel_mean(total / plan.accumulation)
             done = step + 1
             window.steps += 1
-            if done % recipe.log_every == 0 or done == last:
-                parallel.add_step_closure(report, (done, loss, grad_norm, learning_rate))
+            validation_loss = None
+            if validation is not None and (done % recipe.data.validation_every == 0 or done == last):
+                validation_loss = _validation_loss(model, validation, plan, recipe.data.validation_batches, device)
+            if done % recipe.log_every == 0 or done == last or validation_loss is not None:
+                parallel.add_step_closure(report, (done, loss, grad_norm, learning_rate, validation_loss))
             parallel.mark_step()  # the optimizer step's graph; the closure runs after it
             if not options.compile_only and _checkpoint_due(recipe, done):
                 user_content = {"step": done, "consumed_samples": done * plan.global_batch}
@@ -222,6 +241,23 @@ def _run(
             metrics.close()
     first, final = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     return {"steps": last, "started_at": start, "first_loss": first, "last_loss": final}
+
+
+def _validation_loss(
+    model: torch.nn.Module, validation: TrainingData, plan: BatchPlan, batches: int, device: torch.device
+) -> torch.Tensor:
+    """The language-model loss (no router loss) over the first `batches` micro batches per data-parallel rank
+    of the validation split: the same blocks every time, so the values compare across steps."""
+    total = torch.zeros((), device=device)
+    with torch.no_grad():
+        for batch in range(batches):
+            start = (batch * plan.dp + parallel.dp_rank()) * plan.micro
+            input_ids, targets = validation.batch(range(start, start + plan.micro))
+            output = model(input_ids.to(device), targets.to(device))
+            assert output.loss is not None
+            total += output.loss - output.aux_loss if output.aux_loss is not None else output.loss
+            parallel.mark_step()
+    return _data_parallel_mean(total / batches)
 
 
 @dataclass
