@@ -18,7 +18,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES, CPU_INSTANCE_TYPES
 from training.config.loading import Allowed, Bool, ConfigError, Int, Str, StrictModel, build, check, read_mapping
-from training.config.recipe import bundled_recipes, load_recipe
+from training.config.recipe import bundled_recipes, load_recipe, resolve_recipe_path
 from training.errors import UserError
 
 # Pinned once: the custom-resource provider template, the offline validator in the tests and the docs
@@ -124,6 +124,11 @@ class CapacityConfig(StrictModel):
         Allowed("a resource group ARN such as arn:aws:resource-groups:us-west-2:123456789012:group/trn1-odcrs"),
     ] = Field(None, description="a resource group of on-demand capacity reservations (type reservation only)")
 
+    @property
+    def reserved(self) -> bool:
+        """Bought in advance (a reservation or a block), so already placed where it was bought."""
+        return self.type in ("reservation", "capacity-block")
+
 
 class ComputeConfig(StrictModel):
     instance_type: Str = Field("trn1.32xlarge", json_schema_extra={"enum": list(COMPUTE_INSTANCE_TYPES)})
@@ -145,7 +150,7 @@ class ComputeConfig(StrictModel):
         was bought, and a group of ours would only cause insufficient-capacity errors (ParallelCluster's rule)."""
         if self.placement_group is not None:
             return self.placement_group
-        return self.efa and self.capacity.type in ("on-demand", "spot")
+        return self.efa and not self.capacity.reserved
 
     @property
     def node_counts(self) -> tuple[int, int]:
@@ -313,7 +318,7 @@ def _validate_pipeline(pipeline: PipelineConfig, bad: typing.Callable[[str, Any,
         except UserError as error:
             problems = error.problems if isinstance(error, ConfigError) else [str(error)]
             for problem in problems:
-                detail = problem.split(".yaml: ", 1)[-1]  # without the recipe file's path
+                detail = problem.removeprefix(f"{resolve_recipe_path(pipeline.recipe)}: ")
                 bad("pipeline.overrides", list(pipeline.overrides), f"what recipe {pipeline.recipe} accepts ({detail})")
 
 
@@ -335,7 +340,7 @@ def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, st
         else:
             allowed = f"1, since {compute.instance_type} has no EFA for multi-node training"
         bad("compute.max_count", compute.max_count, allowed)
-    if compute.placement_group is False and compute.efa and compute.capacity.type in ("on-demand", "spot"):
+    if compute.placement_group is False and compute.efa and not compute.capacity.reserved:
         bad(
             "compute.placement_group",
             False,
@@ -346,7 +351,7 @@ def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, st
 def _validate_capacity(compute: ComputeConfig, bad: typing.Callable[[str, Any, str], None]) -> None:
     capacity = compute.capacity
     reservation, group = capacity.reservation_id, capacity.resource_group_arn
-    if capacity.type in ("on-demand", "spot"):
+    if not capacity.reserved:
         for key, value in (("reservation_id", reservation), ("resource_group_arn", group)):
             if value is not None:
                 bad(f"compute.capacity.{key}", value, f"nothing for {capacity.type} capacity (type: reservation?)")

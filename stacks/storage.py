@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from aws_cdk import Aws, Duration, RemovalPolicy
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_fsx as fsx
@@ -115,24 +117,23 @@ class Storage(Construct):
         written only by `code_writer`, the deployment's role) and the file system folders FSx imports and
         jobs execute (`imported`: the shared environment, the pipeline's sources, the compile cache; nobody
         writes those through S3). Everyone else, administrators included, is denied writing them."""
-        objects = ["s3:PutObject", "s3:DeleteObject", "s3:DeleteObjectVersion"]
-        self.bucket.add_to_resource_policy(
-            iam.PolicyStatement(
-                sid="OnlyTheDeploymentWritesNodeCode",
-                effect=iam.Effect.DENY,
-                principals=[iam.AnyPrincipal()],
-                actions=objects,
-                resources=[self.bucket.arn_for_objects(f"{prefix}*") for prefix in code_prefixes],
-                conditions={"ArnNotEquals": {"aws:PrincipalArn": code_writer.role_arn}},
-            )
+        self._deny_writes(
+            "OnlyTheDeploymentWritesNodeCode",
+            [f"{prefix}*" for prefix in code_prefixes],
+            conditions={"ArnNotEquals": {"aws:PrincipalArn": code_writer.role_arn}},
         )
+        self._deny_writes("NobodyWritesExecutedFileSystemFolders", [f"{self.fsx_s3_prefix}/{f}/*" for f in imported])
+
+    def _deny_writes(self, sid: str, keys: list[str], conditions: dict[str, Any] | None = None) -> None:
+        """A bucket policy statement denying everyone (but whom `conditions` exempt) writing these keys."""
         self.bucket.add_to_resource_policy(
             iam.PolicyStatement(
-                sid="NobodyWritesExecutedFileSystemFolders",
+                sid=sid,
                 effect=iam.Effect.DENY,
                 principals=[iam.AnyPrincipal()],
-                actions=objects,
-                resources=[self.bucket.arn_for_objects(f"{self.fsx_s3_prefix}/{folder}/*") for folder in imported],
+                actions=["s3:PutObject", "s3:DeleteObject", "s3:DeleteObjectVersion"],
+                resources=[self.bucket.arn_for_objects(key) for key in keys],
+                conditions=conditions,
             )
         )
 

@@ -141,6 +141,7 @@ def render(plan: RunPlan) -> dict[str, str]:
     )
     site, recipe = plan.site, plan.recipe
     scripts = {}
+    python = _python(site)
     for stage in plan.stages:
         context: dict[str, Any] = {
             "run_id": plan.run_id,
@@ -157,14 +158,14 @@ def render(plan: RunPlan) -> dict[str, str]:
             "neuron": site.neuron,
             "efa": site.efa,
             "compile_cache": site.compile_cache,
-            "python": _python(site),
-            "python_bin": os.path.dirname(_python(site)),
+            "python": python,
+            "python_bin": os.path.dirname(python),
             "slurm": slurm_prefix(site.slurm_bin),
         }
         if stage.distributed:
             context |= {
                 "processes_per_node": site.processes_per_node or recipe.parallelism.tp,
-                "launcher": f"{os.path.dirname(_python(site))}/neuron_parallel_compile "
+                "launcher": f"{os.path.dirname(python)}/neuron_parallel_compile "
                 if stage.name == "compile" and site.neuron
                 else "",
                 "train_arguments": "--compile" if stage.name == "compile" else "--resume",
