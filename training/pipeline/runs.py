@@ -342,15 +342,16 @@ def unavailable_nodes(sinfo_reasons: str) -> str | None:
 
 
 def partition_problem(run: dict[str, Any]) -> str | None:
-    """Why nodes of the run's partition cannot start, from Slurm's node reasons (capacity, quota, health)."""
+    """Why nodes of the run's partitions (Trainium and CPU stages) cannot start, from Slurm's node reasons
+    (capacity, quota, health)."""
     site = run.get("site") or {}
-    partition = site.get("partition")
+    partitions = ",".join(dict.fromkeys(p for p in (site.get("partition"), site.get("cpu_partition")) if p))
     command = ["sinfo", "--noheader", "--list-reasons", "--format=%E|%T|%N"]
-    result = _run_slurm(run_slurm_bin(run), *command, *(["--partition", partition] if partition else []))
+    result = _run_slurm(run_slurm_bin(run), *command, *(["--partition", partitions] if partitions else []))
     if result.returncode:
         return None
     problem = unavailable_nodes(result.stdout)
-    return f"nodes of partition {partition or '(default)'} cannot start: {problem}" if problem else None
+    return f"nodes of partition {partitions or '(default)'} cannot start: {problem}" if problem else None
 
 
 def print_status(run_dir: Path) -> list[dict[str, Any]]:
