@@ -17,7 +17,7 @@ import torch
 
 from training.config.recipe import OptimizerSection
 from training.model import parallel
-from training.model.transformer import build_model, gather_logits
+from training.model.transformer import Execution, build_model, gather_logits
 from training.train.optimizer import neuron_trainer_options
 
 
@@ -32,6 +32,7 @@ def run_case(case: dict[str, Any], out: Path) -> None:
             "fuse_qkv": bool(case.get("fuse_qkv", False)),
             "moe_dispatch": case.get("moe_dispatch"),
             "router_aux_loss": case.get("router_aux_loss"),
+            "execution": Execution(**case.get("execution", {})),
         }
         tp_rank, dp_rank = parallel.tp_rank(), parallel.dp_rank()
         rank_file = f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_00.pt"
@@ -43,6 +44,7 @@ def run_case(case: dict[str, Any], out: Path) -> None:
         labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), parallel.IGNORE_INDEX)], dim=1)
         output = model(ids, labels)
         output.loss.backward()
+        parallel.sum_sequence_parallel_gradients(model.parameters())  # what the optimizer does first
         grads = {name: p.grad.clone() for name, p in model.named_parameters(remove_duplicate=False)}
 
         norm = None

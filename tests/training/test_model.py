@@ -28,7 +28,7 @@ from training.errors import UserError
 from training.formats.convert import ConvertOptions, convert
 from training.formats.layouts import ModelSpec, Parallelism, all_rules, default_kv_multiplier, hf_shapes
 from training.model import parallel
-from training.model.transformer import build_model, initial_tensor, model_flops_per_token
+from training.model.transformer import Execution, build_model, initial_tensor, model_flops_per_token
 
 WORKER = Path(__file__).with_name("model_worker.py")
 ATOL = 1e-5
@@ -140,6 +140,15 @@ TP1_CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any]]] = {
     "mixtral-sparse": (lambda d: mixtral(d, layers=2), {"moe_dispatch": "sparse", "router_aux_loss": True}),
     "mixtral-dense": (lambda d: mixtral(d, layers=2), {"moe_dispatch": "dense", "router_aux_loss": True}),
     "mixtral-sliding-window": (lambda d: mixtral(d, layers=2, sliding_window=3), {"router_aux_loss": True}),
+    # sequence parallelism, checkpointing and flash attention change how the layers run, never the result
+    "llama-selective-flash": (
+        lambda d: llama(d),
+        {"execution": Execution(activation_checkpointing="selective", flash_attention=True)},
+    ),
+    "mixtral-sp-full": (
+        lambda d: mixtral(d, layers=2),
+        {"router_aux_loss": True, "execution": Execution(sequence_parallel=True, activation_checkpointing="full")},
+    ),
 }
 
 
@@ -237,6 +246,31 @@ TP_CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, Any]
     "llama-gqa-tp2-dp2": (lambda d: llama(d, kv_heads=4), {}, {}, 2),  # 2 KV heads per rank
     "mixtral-tp2-dp2": (lambda d: mixtral(d, layers=2), {}, {"router_aux_loss": True}, 2),
     "mixtral-dense-tp4": (lambda d: mixtral(d, layers=2), {}, {"router_aux_loss": True, "moe_dispatch": "dense"}, 4),
+    # the same models with sequence parallelism (and checkpointing, flash attention): the same numbers
+    "llama-sp-tp4-kv2-selective": (
+        lambda d: llama(d),
+        {"kv_multiplier": 2},
+        {"kv_multiplier": 2, "execution": {"sequence_parallel": True, "activation_checkpointing": "selective"}},
+        4,
+    ),
+    "llama31-sp-tied-fused-tp2-dp2-flash": (
+        lambda d: llama(d, tied=True, rope_scaling=LLAMA3_ROPE_SCALING),
+        {"fuse_qkv": True},
+        {"fuse_qkv": True, "execution": {"sequence_parallel": True, "flash_attention": True}},
+        2,
+    ),
+    "mixtral-sp-tp2-dp2-full": (
+        lambda d: mixtral(d, layers=2),
+        {},
+        {"router_aux_loss": True, "execution": {"sequence_parallel": True, "activation_checkpointing": "full"}},
+        2,
+    ),
+    "mixtral-dense-sp-tp4": (
+        lambda d: mixtral(d, layers=2),
+        {},
+        {"router_aux_loss": True, "moe_dispatch": "dense", "execution": {"sequence_parallel": True}},
+        4,
+    ),
 }
 SWAPPED = "llama-tp4-swapped-query-heads"
 WORLD = 4

@@ -35,7 +35,9 @@ from training.errors import UserError
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "train" / "recipes"
 SCHEMA_FILE = RECIPES_DIR / "recipe.schema.json"
 Decay = Literal["linear", "cosine", "constant"]
-Precision = Literal["bf16", "fp32"]
+Precision = Literal["fp32", "bf16-mixed", "bf16-sr"]
+ActivationCheckpointing = Literal["none", "selective", "full"]
+FLASH_ATTENTION_BLOCK = 2048  # neuronx-distributed's NKI flash attention takes sequences in multiples of this
 BackendName = Literal["cpu", "neuron"]
 
 
@@ -61,6 +63,24 @@ class ParallelismSection(StrictModel):
         None, description="KV head replication; omit for the smallest that fits (as `convert` chooses)"
     )
     fuse_qkv: Bool = False
+    sequence_parallel: Bool = Field(
+        False,
+        description="split the activations outside attention and MLP over the TP ranks along the sequence "
+        "(neuronx-distributed's sequence_parallel_enabled)",
+    )
+
+
+class MemorySection(StrictModel):
+    """What the backward pass keeps: every byte here is per NeuronCore (`python -m training plan` adds it up)."""
+
+    activation_checkpointing: ActivationCheckpointing = Field(
+        "none",
+        description="recompute in the backward pass instead of keeping: selective = the attention core and the "
+        "MLP activation, full = each decoder layer",
+    )
+    flash_attention: Bool = Field(
+        False, description="attention that never holds the S x S scores (NKI flash attention on Neuron)"
+    )
 
 
 class BatchSection(StrictModel):
@@ -119,9 +139,14 @@ class Recipe(StrictModel):
     checkpoint: CheckpointSection
     steps: PositiveInt
     parallelism: ParallelismSection = ParallelismSection()
+    memory: MemorySection = MemorySection()
     schedule: ScheduleSection = ScheduleSection()
     backend: BackendName = "neuron"
-    precision: Precision = "bf16"
+    precision: Precision = Field(
+        "bf16-mixed",
+        description="bf16-mixed: bf16 weights, fp32 master weights and gradient accumulation (ZeRO-1); bf16-sr: "
+        "bf16 weights, gradients and optimizer state with stochastic rounding; fp32",
+    )
     seed: Int = 42
     log_every: PositiveInt = 1
     peak_tflops_per_worker: PositiveFloat = Field(
@@ -194,8 +219,30 @@ def validate(recipe: Recipe) -> list[str]:
         problems.append(
             not_allowed("schedule.warmup_steps", recipe.schedule.warmup_steps, f"0 to steps ({recipe.steps})")
         )
-    if recipe.backend == "cpu" and recipe.precision != "fp32":
-        problems.append(not_allowed("precision", recipe.precision, "fp32 with backend cpu (bf16 needs backend neuron)"))
+    if recipe.precision == "bf16-mixed" and not recipe.optimizer.zero1:
+        problems.append(
+            not_allowed(
+                "precision",
+                recipe.precision,
+                "bf16-sr or fp32 with optimizer.zero1 false (bf16-mixed keeps its fp32 master weights in ZeRO-1's shards)",
+            )
+        )
+    if recipe.parallelism.sequence_parallel and recipe.batch.seq_len % recipe.parallelism.tp:
+        problems.append(
+            not_allowed(
+                "batch.seq_len",
+                recipe.batch.seq_len,
+                f"a multiple of parallelism.tp ({recipe.parallelism.tp}) with parallelism.sequence_parallel",
+            )
+        )
+    if recipe.backend == "neuron" and recipe.memory.flash_attention and recipe.batch.seq_len % FLASH_ATTENTION_BLOCK:
+        problems.append(
+            not_allowed(
+                "batch.seq_len",
+                recipe.batch.seq_len,
+                f"a multiple of {FLASH_ATTENTION_BLOCK} with memory.flash_attention on backend neuron (the NKI kernel's tile)",
+            )
+        )
     if recipe.data.validation_every and recipe.data.validation_split is None:
         problems.append(
             not_allowed(

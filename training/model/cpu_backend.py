@@ -7,6 +7,7 @@ single-process gradients. This is the backend the tests exercise.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -16,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 from torch.autograd.function import FunctionCtx
 from torch.distributed import ProcessGroup
 from torch.distributed.rendezvous import rendezvous
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from training.errors import UserError
 
@@ -206,6 +209,26 @@ def _scaled(tensor: torch.Tensor, scale: float) -> torch.Tensor:
     return tensor * scale
 
 
+# Steps along a sequence dimension: the argument is (group, dimension).
+def _gather_along(tensor: torch.Tensor, argument: tuple[ProcessGroup, int]) -> torch.Tensor:
+    group, dim = argument
+    if dist.get_world_size(group) == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _slice_along(tensor: torch.Tensor, argument: tuple[ProcessGroup, int]) -> torch.Tensor:
+    group, dim = argument
+    return tensor.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _reduce_scatter_along(tensor: torch.Tensor, argument: tuple[ProcessGroup, int]) -> torch.Tensor:
+    # gloo has no reduce-scatter: the sum, then this rank's slice (the same values; only the traffic differs)
+    return _slice_along(_all_reduce(tensor, argument[0]), argument)
+
+
 Step = Callable[[torch.Tensor, Any], torch.Tensor]
 
 
@@ -252,6 +275,84 @@ def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.Te
     return _over_tp(tensor, _own_slice, _gather_last_dim)
 
 
+def gather_from_sequence_parallel_region(
+    tensor: torch.Tensor, /, sequence_dimension: int = 0, to_model_parallel: bool = True
+) -> torch.Tensor:
+    backward = _reduce_scatter_along if to_model_parallel else _slice_along
+    return _map(tensor, (_get().tp_group, sequence_dimension), _gather_along, backward)
+
+
+def reduce_scatter_to_sequence_parallel_region(tensor: torch.Tensor, /, sequence_dimension: int = 0) -> torch.Tensor:
+    return _map(tensor, (_get().tp_group, sequence_dimension), _reduce_scatter_along, _gather_along)
+
+
+class _SequenceGatheredLinears(torch.autograd.Function):
+    """x_r^T gathered along the sequence, times each weight; keeps only this rank's slice x_r for backward, which
+    gathers it again (as neuronx-distributed's sequence-parallel linears do). `scales` weigh each product's
+    share of the input gradient (the replicated K/V heads count 1/multiplier), which is reduce-scattered."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, local: torch.Tensor, dim: int, scales: tuple[float, ...], *weights: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.dim, ctx.scales = dim, scales  # type: ignore[attr-defined]
+        ctx.save_for_backward(local, *weights)
+        total = _gather_along(local, (_get().tp_group, dim))
+        return tuple(F.linear(total, weight) for weight in weights)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        local, *weights = ctx.saved_tensors
+        argument = (_get().tp_group, ctx.dim)
+        total = _gather_along(local, argument)
+        flat = total.reshape(-1, total.shape[-1])
+        grad_total = torch.zeros_like(total)
+        grad_weights = []
+        for grad, weight, scale in zip(grads, weights, ctx.scales, strict=True):
+            grad_total += (grad @ weight) * scale if scale != 1 else grad @ weight
+            grad_weights.append(grad.reshape(-1, grad.shape[-1]).t() @ flat)
+        return (_reduce_scatter_along(grad_total, argument), None, None, *grad_weights)
+
+
+def _sequence_gathered_linears(
+    local: torch.Tensor, dim: int, weights: tuple[torch.Tensor, ...], scales: tuple[float, ...]
+) -> tuple[torch.Tensor, ...]:
+    result: tuple[torch.Tensor, ...] = _SequenceGatheredLinears.apply(local, dim, scales, *weights)  # type: ignore[no-untyped-call]
+    return result
+
+
+# --- memory ----------------------------------------------------------------------------------------------
+
+
+def apply_activation_checkpointing(model: nn.Module, /, check_fn: Callable[[nn.Module], bool]) -> None:
+    """torch.utils.checkpoint around the forward of each accepted submodule (not the model itself); the module
+    is not wrapped, so names and the state dict are untouched."""
+    for module in model.modules():
+        if module is not model and check_fn(module):
+            module.forward = functools.partial(  # type: ignore[method-assign]
+                torch.utils.checkpoint.checkpoint, module.forward, use_reentrant=False
+            )
+
+
+def nki_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    /,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    mixed_precision: bool = True,
+    transpose_nki_inputs: bool = True,
+) -> torch.Tensor:
+    """torch's flash attention kernel (blocks of keys with a running softmax; backward recomputes them): it
+    saves q, k, v, the output and the log-sum-exp, never the S x S scores. Its softmax statistics are fp32."""
+    if transpose_nki_inputs:
+        raise ValueError("nki_flash_attn_func: pass [B, heads, S, head_dim] inputs with transpose_nki_inputs=False")
+    del mixed_precision  # the CPU kernel keeps its statistics in fp32 whatever the input dtype
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+
+
 # --- layers --------------------------------------------------------------------------------------------
 
 
@@ -276,17 +377,26 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = True,
         dtype: torch.dtype = torch.float32,
         stride: int = 1,
+        sequence_parallel_enabled: bool = False,
+        sequence_dimension: int | None = None,
     ) -> None:
         super().__init__()
         del stride  # shapes neuronx-distributed's random initialisation only
         tp = tp_size()
+        if sequence_parallel_enabled and gather_output:
+            raise ValueError("ColumnParallelLinear: sequence_parallel_enabled needs gather_output=False")
         self.input_size, self.output_size, self.gather_output = input_size, output_size, gather_output
+        self.sequence_parallel_enabled = sequence_parallel_enabled
+        self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension  # NxD's default
         per_rank = _divide(output_size, tp, "output size")
         self.weight = _uniform((per_rank, input_size), input_size, dtype)
         self.bias = _uniform((output_size if gather_output else per_rank,), input_size, dtype) if bias else None
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
-        output = F.linear(copy_to_tensor_model_parallel_region(tensor), self.weight)
+        if self.sequence_parallel_enabled:
+            (output,) = _sequence_gathered_linears(tensor, self.sequence_dimension, (self.weight,), (1.0,))
+        else:
+            output = F.linear(copy_to_tensor_model_parallel_region(tensor), self.weight)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output)
         return output + self.bias if self.bias is not None else output
@@ -300,16 +410,26 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input_is_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
+        sequence_parallel_enabled: bool = False,
+        sequence_dimension: int | None = None,
     ) -> None:
         super().__init__()
+        if sequence_parallel_enabled and not input_is_parallel:
+            raise RuntimeError("RowParallelLinear: sequence_parallel_enabled needs input_is_parallel=True")
         self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
+        self.sequence_parallel_enabled = sequence_parallel_enabled
+        self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
         self.weight = _uniform((output_size, _divide(input_size, tp_size(), "input size")), input_size, dtype)
         self.bias = _uniform((output_size,), input_size, dtype) if bias else None
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             tensor = scatter_to_tensor_model_parallel_region(tensor)
-        output = reduce_from_tensor_model_parallel_region(F.linear(tensor, self.weight))
+        partial = F.linear(tensor, self.weight)
+        if self.sequence_parallel_enabled:
+            output = reduce_scatter_to_sequence_parallel_region(partial, sequence_dimension=self.sequence_dimension)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial)
         return output + self.bias if self.bias is not None else output
 
 
@@ -320,8 +440,10 @@ class ParallelEmbedding(nn.Module):
         embedding_dim: int,
         padding_idx: int | None = None,
         dtype: torch.dtype = torch.float32,
+        sequence_parallel_enabled: bool = False,
     ) -> None:
         super().__init__()
+        self.sequence_parallel_enabled = sequence_parallel_enabled
         per_rank = _divide(num_embeddings, tp_size(), "vocabulary size")
         self.start, self.end = tp_rank() * per_rank, (tp_rank() + 1) * per_rank
         # The padding row (no gradient, as in torch.nn.Embedding) lives on the rank whose rows include it.
@@ -331,10 +453,15 @@ class ParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return F.embedding(ids, self.weight, self.padding_idx)
+            rows = F.embedding(ids, self.weight, self.padding_idx)
+            return rows.transpose(0, 1).contiguous() if self.sequence_parallel_enabled else rows
         mine = (ids >= self.start) & (ids < self.end)
-        rows = F.embedding((ids - self.start) * mine, self.weight, self.padding_idx)
-        return reduce_from_tensor_model_parallel_region(rows * mine.unsqueeze(-1).to(rows.dtype))
+        rows = F.embedding((ids - self.start) * mine, self.weight, self.padding_idx) * mine.unsqueeze(-1).to(
+            self.weight.dtype
+        )
+        if self.sequence_parallel_enabled:  # sequence first, as neuronx-distributed's embedding returns it
+            return reduce_scatter_to_sequence_parallel_region(rows.transpose(0, 1).contiguous())
+        return reduce_from_tensor_model_parallel_region(rows)
 
 
 class GQAQKVColumnParallelLinear(nn.Module):
@@ -352,11 +479,15 @@ class GQAQKVColumnParallelLinear(nn.Module):
         bias: bool = True,
         gather_output: bool = True,
         dtype: torch.dtype = torch.float32,
+        sequence_parallel_enabled: bool = False,
         kv_size_multiplier: int = 1,
         fuse_qkv: bool = True,
     ) -> None:
         super().__init__()
         tp = tp_size()
+        self.sequence_parallel_enabled = sequence_parallel_enabled
+        if sequence_parallel_enabled and gather_output:
+            raise ValueError("GQAQKVColumnParallelLinear: sequence_parallel_enabled needs gather_output=False")
         if tp % kv_size_multiplier:
             raise ValueError(f"kv_size_multiplier {kv_size_multiplier} must divide the tensor-parallel degree {tp}")
         if bias and gather_output:
@@ -381,14 +512,17 @@ class GQAQKVColumnParallelLinear(nn.Module):
         return [getattr(self, f"{prefix}_{name}") for name in "qkv"]
 
     def forward(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tensor = copy_to_tensor_model_parallel_region(tensor)
         (weight_q, weight_k, weight_v), (bias_q, bias_k, bias_v) = self._parts("weight"), self._parts("bias")
         assert weight_q is not None and weight_k is not None and weight_v is not None
-        q = F.linear(tensor, weight_q, bias_q)
-        kv_input = tensor
-        if self.kv_group is not None:
-            kv_input = _map(tensor, 1 / self.kv_size_multiplier, _identity, _scaled)
-        k, v = F.linear(kv_input, weight_k, bias_k), F.linear(kv_input, weight_v, bias_v)
+        kv_share = 1 / self.kv_size_multiplier if self.kv_group is not None else 1.0
+        if self.sequence_parallel_enabled:
+            q, k, v = _sequence_gathered_linears(tensor, 0, (weight_q, weight_k, weight_v), (1.0, kv_share, kv_share))
+            q, k, v = (t if b is None else t + b for t, b in ((q, bias_q), (k, bias_k), (v, bias_v)))
+        else:
+            tensor = copy_to_tensor_model_parallel_region(tensor)
+            q = F.linear(tensor, weight_q, bias_q)
+            kv_input = tensor if kv_share == 1 else _map(tensor, kv_share, _identity, _scaled)
+            k, v = F.linear(kv_input, weight_k, bias_k), F.linear(kv_input, weight_v, bias_v)
         if self.kv_group is not None:
             # the output gradients summed over the ranks holding the same head
             k, v = (_map(t, self.kv_group, _identity, _all_reduce) for t in (k, v))

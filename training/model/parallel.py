@@ -22,14 +22,17 @@ Gradient contract the training loop relies on: after `backward()`, a parameter r
 (norms, the MoE router, a row-parallel bias) holds the same, complete gradient on every TP rank, and a
 sharded parameter holds the gradient of its own shard (the replicated K/V heads of the GQA layer hold the
 complete gradient of their head on every replica, as neuronx-distributed does). The loop therefore only
-averages over the DP group.
+averages over the DP group. One exception, sequence parallelism: a replicated parameter that sees only this
+rank's slice of the sequence (the norms; the MoE router) carries `sequence_parallel_enabled = True` and holds
+the gradient of that slice; `sum_sequence_parallel_gradients` completes it (neuronx-distributed's optimizer
+does the same when its configuration says `sequence_parallel`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
@@ -56,6 +59,8 @@ PARALLEL_UTILS = "neuronx_distributed.parallel_layers.utils"
 MODEL_UTILS = "neuronx_distributed.utils.model_utils"
 TRAINER = "neuronx_distributed.trainer"
 NXD_UTILS = "neuronx_distributed.utils"
+ACTIVATION_CHECKPOINT = "neuronx_distributed.utils.activation_checkpoint"
+FLASH_ATTENTION = "neuronx_distributed.kernels.flash_attn"
 XLA_MODEL = "torch_xla.core.xla_model"
 
 P = ParamSpec("P")
@@ -267,12 +272,18 @@ def ColumnParallelLinear(
     gather_output: bool = True,
     dtype: torch.dtype = torch.float32,
     stride: int = 1,
+    sequence_parallel_enabled: bool = False,
+    sequence_dimension: int | None = None,
 ) -> nn.Module:
     """y = x A^T + b with A split by rows (output features): rank r holds rows [r*O/tp, (r+1)*O/tp).
 
     `gather_output=False` leaves each rank with its slice of y. `stride` only shapes neuronx-distributed's
     own random initialisation (interleaved parts such as gate/up); the CPU backend accepts and ignores it.
     The bias is [O] when the output is gathered, else [O/tp].
+
+    `sequence_parallel_enabled`: x is this rank's slice of the sequence (dimension `sequence_dimension`); it is
+    gathered over the TP group for the product and only the slice is kept for backward, which gathers it
+    again and reduce-scatters the input gradient.
     """
 
 
@@ -283,20 +294,30 @@ def RowParallelLinear(
     bias: bool = True,
     input_is_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
+    sequence_parallel_enabled: bool = False,
+    sequence_dimension: int | None = None,
 ) -> nn.Module:
     """y = sum over ranks of x_r A_r^T, A split by columns; the output is all-reduced, the bias [O] added once.
 
     `input_is_parallel=False` takes the full x and scatters it (each rank its slice of the input features).
+    `sequence_parallel_enabled` (needs `input_is_parallel`): the sum is reduce-scattered along
+    `sequence_dimension` instead, each rank keeping its slice of the sequence.
     """
 
 
 @neuron(LAYERS)
 def ParallelEmbedding(
-    num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, dtype: torch.dtype = torch.float32
+    num_embeddings: int,
+    embedding_dim: int,
+    padding_idx: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    sequence_parallel_enabled: bool = False,
 ) -> nn.Module:
     """Vocabulary-parallel lookup: rank r holds rows [r*V/tp, (r+1)*V/tp); the rows are summed over ranks.
 
     The `padding_idx` row gets no gradient (as in torch.nn.Embedding), on the rank that holds it.
+    `sequence_parallel_enabled`: ids [B, S] give [S/tp, B, H], this rank's slice of the sequence-first sum
+    (a reduce-scatter instead of the all-reduce).
     """
 
 
@@ -307,10 +328,14 @@ def GQAQKVColumnParallelLinear(
     bias: bool = True,
     gather_output: bool = True,
     dtype: torch.dtype = torch.float32,
+    sequence_parallel_enabled: bool = False,
     kv_size_multiplier: int = 1,
     fuse_qkv: bool = True,
 ) -> nn.Module:
     """Q, K and V projections; returns (q, k, v). `output_sizes` = [query features, key/value features].
+
+    `sequence_parallel_enabled`: the input is [S/tp, B, H], this rank's slice of the sequence (dimension 0),
+    gathered for the products as ColumnParallelLinear does.
 
     K and V are repeated `kv_size_multiplier` times and then split over the TP ranks, so a model with fewer
     KV heads than ranks gives every rank one (REFERENCE.md section 5); each rank's query heads belong to its
@@ -363,3 +388,65 @@ def gather_from_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.T
 @neuron(MAPPINGS)
 def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor, /) -> torch.Tensor:
     """This rank's slice of the last dimension; gradients gathered back."""
+
+
+@neuron(MAPPINGS)
+def gather_from_sequence_parallel_region(
+    tensor: torch.Tensor, /, sequence_dimension: int = 0, to_model_parallel: bool = True
+) -> torch.Tensor:
+    """The sequence slices concatenated along `sequence_dimension` in TP-rank order. Backward: the gradients are
+    reduce-scattered (`to_model_parallel`: each rank computed a partial result from the whole sequence) or
+    just sliced (not: every rank computed the same result)."""
+
+
+@neuron(MAPPINGS)
+def reduce_scatter_to_sequence_parallel_region(tensor: torch.Tensor, /, sequence_dimension: int = 0) -> torch.Tensor:
+    """Partial results summed over the TP group, each rank keeping its slice of `sequence_dimension`;
+    the gradient is gathered back."""
+
+
+# --- memory: recomputation and attention that keeps no S x S scores --------------------------------------
+
+
+@neuron(ACTIVATION_CHECKPOINT)
+def apply_activation_checkpointing(model: nn.Module, /, check_fn: Callable[[nn.Module], bool]) -> None:
+    """Every submodule `check_fn` accepts keeps only its inputs for backward and runs its forward again there.
+
+    Parameter names and the state dict stay as they were (neuronx-distributed's wrapper hides its prefix).
+    """
+
+
+@neuron(FLASH_ATTENTION)
+def nki_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    /,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    mixed_precision: bool = True,
+    transpose_nki_inputs: bool = True,
+) -> torch.Tensor:
+    """softmax(q k^T * scale, causal) v without materialising the S x S scores, forward or backward.
+
+    Call it with `transpose_nki_inputs=False`: q, k, v and the result are [B, heads, S, head_dim], K and V
+    with as many heads as q. `mixed_precision`: softmax statistics in fp32. On Neuron this is the NKI kernel
+    (sequences in multiples of 2048); on CPU, torch's flash attention kernel.
+    """
+
+
+# --- sequence-parallel gradients (both backends: the TP group is a torch.distributed group) ---------------
+
+
+def mark_sequence_parallel(parameter: torch.Tensor) -> None:
+    """A replicated parameter used on this rank's sequence slice only: its gradient is summed over TP."""
+    parameter.sequence_parallel_enabled = True  # type: ignore[attr-defined]  # the attribute NxD reads
+
+
+def sum_sequence_parallel_gradients(parameters: Iterable[torch.Tensor]) -> None:
+    """Sum the gradients of the marked parameters over the TP group (before any data-parallel reduction)."""
+    if tp_size() == 1:
+        return
+    for parameter in parameters:
+        if getattr(parameter, "sequence_parallel_enabled", False) and parameter.grad is not None:
+            dist.all_reduce(parameter.grad, group=tp_group())

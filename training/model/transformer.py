@@ -34,6 +34,7 @@ from training.formats.layouts import (
 from training.model import parallel
 
 MoeDispatch = Literal["sparse", "dense"]
+Checkpointing = Literal["none", "selective", "full"]
 ROPE_TYPES = ("default", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_ROPE_THETA = {"llama": 10000.0, "mixtral": 1e6}
@@ -117,6 +118,24 @@ def _rope(config: dict[str, Any], spec: ModelSpec) -> Rope:
     )
 
 
+@dataclass(frozen=True)
+class Execution:
+    """How the layers run, not what they hold: parameters and layout are the same for every choice, so a
+    checkpoint trained with one loads into any other.
+
+    sequence_parallel: the activations between attention and MLP (norms, residuals) are [S/tp, B, H], each
+        TP rank its slice of the sequence (sequence first, as neuronx-distributed lays them out).
+    activation_checkpointing: "selective" recomputes the attention core and the MLP activation in backward,
+        "full" each decoder layer (the MoE block included), keeping only its input.
+    flash_attention: attention that never holds the S x S scores; otherwise scores and probabilities are
+        materialised (the math neuronx-distributed's core attention does).
+    """
+
+    sequence_parallel: bool = False
+    activation_checkpointing: Checkpointing = "none"
+    flash_attention: bool = False
+
+
 def inverse_frequencies(rope: Rope, head_dim: int) -> torch.Tensor:
     """RoPE frequencies (fp32); "llama3" divides the low frequencies by `factor` and blends the middle band."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
@@ -140,10 +159,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, *, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
+        if sequence_parallel:  # it sees this rank's slice of the sequence only
+            parallel.mark_sequence_parallel(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalised in fp32, scaled in the input dtype (what transformers does, so bf16 rounding matches).
@@ -152,63 +173,123 @@ class RMSNorm(nn.Module):
         return self.weight * normalised.to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Grouped-query attention; each rank's query heads use its own (possibly replicated) KV heads."""
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d), causal) v over [B, heads, S, d]: the part selective checkpointing recomputes.
 
-    def __init__(self, config: ModelConfig, parallelism: Parallelism) -> None:
+    K and V arrive with their own (fewer) heads; each KV head serves `group` consecutive query heads.
+    """
+
+    def __init__(self, head_dim: int, group: int, sliding_window: int | None, flash: bool) -> None:
+        super().__init__()
+        self.scale, self.group, self.sliding_window, self.flash = head_dim**-0.5, group, sliding_window, flash
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+        if self.flash:
+            length = q.shape[2]
+            if self.sliding_window is not None and self.sliding_window < length:
+                raise UserError(
+                    f"memory.flash_attention: the model's sliding_window {self.sliding_window} is shorter than the "
+                    f"sequence ({length}); flash attention is causal over the whole sequence; set it to false"
+                )
+            output: torch.Tensor = parallel.nki_flash_attn_func(
+                q, k, v, softmax_scale=self.scale, causal=True, mixed_precision=True, transpose_nki_inputs=False
+            )
+            return output
+        assert mask is not None
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return probabilities @ v
+
+
+def attention_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """[S, S] booleans, True where query i may attend to key j: causal, within the sliding window if any."""
+    distance = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)
+    allowed = distance >= 0
+    if sliding_window is not None:
+        allowed &= distance < sliding_window
+    return allowed
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; each rank's query heads use its own (possibly replicated) KV heads.
+
+    Input and output are [B, S, H], or [S/tp, B, H] under sequence parallelism.
+    """
+
+    def __init__(self, config: ModelConfig, parallelism: Parallelism, execution: Execution) -> None:
         super().__init__()
         spec, tp = config.spec, parallelism.tp
         self.head_dim = spec.head_dim
         self.heads = spec.num_heads // tp
         self.kv_heads = spec.num_kv_heads * parallelism.kv_multiplier // tp
-        self.sliding_window = config.sliding_window
+        self.sequence_first = execution.sequence_parallel
         self.qkv_proj = parallel.GQAQKVColumnParallelLinear(
             spec.hidden_size,
             [spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim],
             bias=False,
             gather_output=False,
             dtype=config.dtype,
+            sequence_parallel_enabled=execution.sequence_parallel,
             kv_size_multiplier=parallelism.kv_multiplier,
             fuse_qkv=parallelism.fuse_qkv,
         )
+        # local query heads come in consecutive groups per KV head
+        group = self.heads // self.kv_heads
+        self.core_attention = CoreAttention(spec.head_dim, group, config.sliding_window, execution.flash_attention)
         self.o_proj = parallel.RowParallelLinear(
-            spec.num_heads * spec.head_dim, spec.hidden_size, bias=False, input_is_parallel=True, dtype=config.dtype
+            spec.num_heads * spec.head_dim,
+            spec.hidden_size,
+            bias=False,
+            input_is_parallel=True,
+            dtype=config.dtype,
+            sequence_parallel_enabled=execution.sequence_parallel,
+            sequence_dimension=0 if execution.sequence_parallel else None,
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.qkv_proj(x)
-        q = q.view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        first, second = q.shape[:2]  # (B, S), or (S, B) sequence first
+        order = (1, 2, 0, 3) if self.sequence_first else (0, 2, 1, 3)  # to [B, heads, S, d]
+        q = q.view(first, second, self.heads, self.head_dim).permute(order)
+        k = k.view(first, second, self.kv_heads, self.head_dim).permute(order)
+        v = v.view(first, second, self.kv_heads, self.head_dim).permute(order)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        group = self.heads // self.kv_heads  # local query heads come in consecutive groups per KV head
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        mask = None
-        if self.sliding_window is not None and self.sliding_window < length:
-            distance = torch.arange(length, device=x.device)[:, None] - torch.arange(length, device=x.device)
-            mask = (distance >= 0) & (distance < self.sliding_window)
-        context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5
-        )
-        output: torch.Tensor = self.o_proj(context.transpose(1, 2).reshape(batch, length, -1))
+        context = self.core_attention(q, k, v, mask)
+        back = (2, 0, 1, 3) if self.sequence_first else (0, 2, 1, 3)
+        output: torch.Tensor = self.o_proj(context.permute(back).reshape(first, second, -1))
         return output
+
+
+class GatedActivation(nn.Module):
+    """silu(gate) * up from the [gate | up] columns: the MLP activation selective checkpointing recomputes."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class MLP(nn.Module):
     """SiLU-gated MLP; `gate_up_proj` holds this rank's gate rows then its up rows."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, execution: Execution) -> None:
         super().__init__()
         h, i = config.spec.hidden_size, config.spec.intermediate_size
+        sequence = {
+            "sequence_parallel_enabled": execution.sequence_parallel,
+            "sequence_dimension": 0 if execution.sequence_parallel else None,
+        }
         self.gate_up_proj = parallel.ColumnParallelLinear(
-            h, 2 * i, bias=False, gather_output=False, dtype=config.dtype, stride=2
+            h, 2 * i, bias=False, gather_output=False, dtype=config.dtype, stride=2, **sequence
         )
-        self.down_proj = parallel.RowParallelLinear(i, h, bias=False, input_is_parallel=True, dtype=config.dtype)
+        self.activation = GatedActivation()
+        self.down_proj = parallel.RowParallelLinear(
+            i, h, bias=False, input_is_parallel=True, dtype=config.dtype, **sequence
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        output: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        output: torch.Tensor = self.down_proj(self.activation(self.gate_up_proj(x)))
         return output
 
 
@@ -240,10 +321,12 @@ class _ExpertMLPs(nn.Module):
 
 
 class _Router(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, sequence_parallel: bool) -> None:
         super().__init__()
         spec = config.spec
         self.linear_router = nn.Linear(spec.hidden_size, spec.num_experts, bias=False, dtype=config.dtype)
+        if sequence_parallel:  # routes this rank's slice of the tokens only
+            parallel.mark_sequence_parallel(self.linear_router.weight)
 
 
 class MoE(nn.Module):
@@ -256,27 +339,41 @@ class MoE(nn.Module):
     E/k times the expert FLOPs). Both compute the same function.
     """
 
-    def __init__(self, config: ModelConfig, tp: int, dispatch: MoeDispatch) -> None:
+    def __init__(self, config: ModelConfig, tp: int, dispatch: MoeDispatch, execution: Execution) -> None:
         super().__init__()
         self.top_k, self.dispatch = config.experts_per_token, dispatch
-        self.router = _Router(config)
+        self.sequence_parallel = execution.sequence_parallel
+        self.router = _Router(config, execution.sequence_parallel)
         self.expert_mlps = _ExpertMLPs(config, tp)
+        self.activation = GatedActivation()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the output and the router logits ([tokens, E], for the auxiliary loss)."""
+        """Returns the output and the router logits of every token ([tokens, E], for the auxiliary loss).
+
+        Under sequence parallelism each rank routes its own tokens, then tokens and routing weights are
+        gathered for the experts (each rank holds I/tp columns of every expert) and the partial outputs are
+        reduce-scattered back to the sequence slices.
+        """
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         logits = self.router.linear_router(tokens)
         top_weights, top_experts = F.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        local = parallel.copy_to_tensor_model_parallel_region(tokens)
-        weights = parallel.copy_to_tensor_model_parallel_region(top_weights)
+        if self.sequence_parallel:
+            local = parallel.gather_from_sequence_parallel_region(tokens)
+            weights = parallel.gather_from_sequence_parallel_region(top_weights)
+            top_experts = parallel.gather_from_sequence_parallel_region(top_experts)
+            # every rank computes the balance loss of all tokens: each takes back its own slice's gradient
+            logits = parallel.gather_from_sequence_parallel_region(logits, to_model_parallel=False)
+        else:
+            local = parallel.copy_to_tensor_model_parallel_region(tokens)
+            weights = parallel.copy_to_tensor_model_parallel_region(top_weights)
         experts = self.expert_mlps.mlp_op
         gate_up, down = experts.gate_up_proj.weight, experts.down_proj.weight
         if self.dispatch == "dense":
-            dense = torch.zeros_like(logits, dtype=weights.dtype).scatter(1, top_experts, weights)
-            gate, up = torch.einsum("th,ehf->etf", local, gate_up).chunk(2, dim=-1)
-            outputs = torch.einsum("etf,efh->eth", F.silu(gate) * up, down)
+            dense = torch.zeros(local.shape[0], gate_up.shape[0], dtype=weights.dtype, device=local.device)
+            dense = dense.scatter(1, top_experts, weights)
+            outputs = torch.einsum("etf,efh->eth", self.activation(torch.einsum("th,ehf->etf", local, gate_up)), down)
             partial = torch.einsum("te,eth->th", dense, outputs.to(dense.dtype)).to(x.dtype)
         else:
             # Token choices grouped by expert with one sort, each expert's rows a contiguous slice.
@@ -290,11 +387,12 @@ class MoE(nn.Module):
             per_expert = zip(gate_up.unbind(0), down.unbind(0), torch.split(routed, counts), strict=True)
             for expert_gate_up, expert_down, rows in per_expert:
                 if rows.shape[0]:
-                    gate, up = (rows @ expert_gate_up).chunk(2, dim=-1)
-                    expert_outputs.append((F.silu(gate) * up) @ expert_down)
+                    expert_outputs.append(self.activation(rows @ expert_gate_up) @ expert_down)
             chosen = weights.reshape(-1)[order, None]
             weighted = (torch.cat(expert_outputs) * chosen).to(local.dtype)
             partial = torch.zeros_like(local).index_add(0, token, weighted)
+        if self.sequence_parallel:
+            return parallel.reduce_scatter_to_sequence_parallel_region(partial).view(shape), logits
         return parallel.reduce_from_tensor_model_parallel_region(partial).view(shape), logits
 
 
@@ -314,19 +412,24 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int,
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, parallelism: Parallelism, dispatch: MoeDispatch) -> None:
+    def __init__(
+        self, config: ModelConfig, parallelism: Parallelism, dispatch: MoeDispatch, execution: Execution
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.spec.hidden_size, config.rms_norm_eps, config.dtype)
-        self.self_attn = Attention(config, parallelism)
-        self.post_attention_layernorm = RMSNorm(config.spec.hidden_size, config.rms_norm_eps, config.dtype)
+        h, eps, sequence_parallel = config.spec.hidden_size, config.rms_norm_eps, execution.sequence_parallel
+        self.input_layernorm = RMSNorm(h, eps, config.dtype, sequence_parallel=sequence_parallel)
+        self.self_attn = Attention(config, parallelism, execution)
+        self.post_attention_layernorm = RMSNorm(h, eps, config.dtype, sequence_parallel=sequence_parallel)
         self.mlp: nn.Module = (
-            MoE(config, parallelism.tp, dispatch) if config.spec.architecture == "mixtral" else MLP(config)
+            MoE(config, parallelism.tp, dispatch, execution)
+            if config.spec.architecture == "mixtral"
+            else MLP(config, execution)
         )
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         output = self.mlp(self.post_attention_layernorm(x))
         if isinstance(output, tuple):
             return x + output[0], output[1]
@@ -334,27 +437,42 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig, parallelism: Parallelism, dispatch: MoeDispatch) -> None:
+    def __init__(
+        self, config: ModelConfig, parallelism: Parallelism, dispatch: MoeDispatch, execution: Execution
+    ) -> None:
         super().__init__()
         spec = config.spec
+        self.execution, self.sliding_window = execution, config.sliding_window
         self.embed_tokens = parallel.ParallelEmbedding(
-            spec.vocab_size, spec.hidden_size, padding_idx=config.pad_token_id, dtype=config.dtype
+            spec.vocab_size,
+            spec.hidden_size,
+            padding_idx=config.pad_token_id,
+            dtype=config.dtype,
+            sequence_parallel_enabled=execution.sequence_parallel,
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, parallelism, dispatch) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, config.rms_norm_eps, config.dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, parallelism, dispatch, execution) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(
+            spec.hidden_size, config.rms_norm_eps, config.dtype, sequence_parallel=execution.sequence_parallel
+        )
         frequencies = inverse_frequencies(config.rope, spec.head_dim)
         self.rope_frequencies: torch.Tensor
         self.register_buffer("rope_frequencies", frequencies, persistent=False)  # not part of the layout
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Hidden states [B, S, H] (sequence parallel: [S/tp, B, H]) and each MoE layer's router logits."""
         x = self.embed_tokens(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device, dtype=torch.float32)
+        length = input_ids.shape[1]
+        positions = torch.arange(length, device=input_ids.device, dtype=torch.float32)
         angles = positions[:, None] * self.rope_frequencies.float()[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        # one mask for all layers (flash attention needs none)
+        mask = None if self.execution.flash_attention else attention_mask(length, self.sliding_window, x.device)
         router_logits = []
         for layer in self.layers:
-            x, logits = layer(x, cos, sin)
+            x, logits = layer(x, cos, sin, mask)
             if logits is not None:
                 router_logits.append(logits)
         return self.norm(x), router_logits
@@ -369,14 +487,27 @@ class CausalLMOutput:
 
 class CausalLM(nn.Module):
     def __init__(
-        self, config: ModelConfig, parallelism: Parallelism, *, dispatch: MoeDispatch, router_aux_loss: bool
+        self,
+        config: ModelConfig,
+        parallelism: Parallelism,
+        *,
+        dispatch: MoeDispatch,
+        router_aux_loss: bool,
+        execution: Execution = Execution(),
     ) -> None:
         super().__init__()
         self.config, self.parallelism, self.router_aux_loss = config, parallelism, router_aux_loss
+        self.execution = execution
         spec = config.spec
-        self.model = Decoder(config, parallelism, dispatch)
+        self.model = Decoder(config, parallelism, dispatch, execution)
         self.lm_head = parallel.ColumnParallelLinear(
-            spec.hidden_size, spec.vocab_size, bias=False, gather_output=False, dtype=config.dtype
+            spec.hidden_size,
+            spec.vocab_size,
+            bias=False,
+            gather_output=False,
+            dtype=config.dtype,
+            sequence_parallel_enabled=execution.sequence_parallel,
+            sequence_dimension=0 if execution.sequence_parallel else None,
         )
         self.tie_weights()
         expected = {rule.target for rules in all_rules(spec, parallelism, "nxd") for rule in rules}
@@ -396,7 +527,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
         """`labels[t]` is the target of position t (already shifted); -100 marks positions without one."""
         hidden, router_logits = self.model(input_ids)
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.execution.sequence_parallel:
+            logits = logits.transpose(0, 1)  # [S, B, V/tp] -> [B, S, V/tp], as the labels
+        logits = logits.float()
         aux_loss = None
         if router_logits and self.router_aux_loss:
             balance = load_balancing_loss(router_logits, self.spec.num_experts, self.config.experts_per_token)
@@ -424,6 +558,7 @@ def build_model(
     seed: int | None = 0,
     moe_dispatch: MoeDispatch | None = None,
     router_aux_loss: bool | None = None,
+    execution: Execution = Execution(),
 ) -> CausalLM:
     """The model for this rank, on `parallel.device()`; the TP degree is the initialized facade's.
 
@@ -433,6 +568,7 @@ def build_model(
     seed: initialise deterministically (see `initialize_weights`); None leaves weights for `load_state_dict`.
     moe_dispatch: "sparse" (default on CPU) or "dense" (default on Neuron: static shapes).
     router_aux_loss: add Mixtral's load-balancing loss (default: the config's `output_router_logits`).
+    execution: sequence parallelism, activation checkpointing, flash attention (see `Execution`).
     """
     model_config = ModelConfig.from_hf(config, dtype)
     spec, tp = model_config.spec, parallel.tp_size()
@@ -440,14 +576,24 @@ def build_model(
     check_parallelism(spec, parallelism, "nxd")
     dispatch: MoeDispatch = moe_dispatch or ("dense" if parallel.backend() == "neuron" else "sparse")
     aux = model_config.output_router_logits if router_aux_loss is None else router_aux_loss
-    model = CausalLM(model_config, parallelism, dispatch=dispatch, router_aux_loss=aux)
+    model = CausalLM(model_config, parallelism, dispatch=dispatch, router_aux_loss=aux, execution=execution)
     if seed is not None:
         initialize_weights(model, seed)
+    recomputed = RECOMPUTED.get(execution.activation_checkpointing)
+    if recomputed:
+        parallel.apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, recomputed))
     parallel.move_model_to_device(model, parallel.device())
     # NxD 2.28 re-ties only Hugging Face models (its search for shared parameters in other modules starts a new
     # record in every submodule and finds none), so tie again on the device.
     model.tie_weights()
     return model
+
+
+# The modules whose forward activation checkpointing runs again in backward, by setting.
+RECOMPUTED: dict[Checkpointing, tuple[type[nn.Module], ...]] = {
+    "selective": (CoreAttention, GatedActivation),
+    "full": (DecoderLayer,),
+}
 
 
 def initial_tensor(name: str, shape: Sequence[int], seed: int, std: float) -> torch.Tensor:
