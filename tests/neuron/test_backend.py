@@ -101,6 +101,27 @@ def test_neuron_backend_trains_as_the_cpu_backend(architecture: str, runs: dict[
         assert neuron[-1]["lr"] == 0.0  # the linear schedule's last step, which must not compile a new graph
 
 
+MEMORY_SETTINGS = {
+    "llama": ["parallelism.sequence_parallel=true", "memory.activation_checkpointing=selective"],
+    "mixtral": ["parallelism.sequence_parallel=true", "memory.activation_checkpointing=full"],
+}
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mixtral"])
+def test_sequence_parallel_and_checkpointing_train_as_without(
+    architecture: str, worlds: dict[str, dict[str, Path]], runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """NxD's sequence-parallel layers (sequence-first activations, the embedding's reduce-scatter, the
+    optimizer's sum of the norms' gradients) and its activation checkpointing wrapper, on XLA:CPU at TP 1:
+    the same losses and gradient norms as the cpu backend without them. (At TP 2 NxD's sequence-parallel
+    QKV layer needs XLA tensors, which NxD's CPU mode does not give: tests/neuron/test_cpu_mode.py.)"""
+    result = train(worlds[architecture], architecture, "neuron", tmp_path, *MEMORY_SETTINGS[architecture])
+    assert result.returncode == 0, result.stderr[-4000:]
+    for expected, actual in zip(metrics(runs[f"{architecture}-cpu"]), metrics(tmp_path), strict=True):
+        assert actual["loss"] == pytest.approx(expected["loss"], rel=TOLERANCE), (expected, actual)
+        assert actual["grad_norm"] == pytest.approx(expected["grad_norm"], rel=TOLERANCE), (expected, actual)
+
+
 def test_graph_discipline(runs: dict[str, Path]) -> None:
     """Counted by torch-xla itself (`torch_xla.debug.metrics`, recorded per step in metrics.jsonl): one graph
     execution per micro batch and one for the optimizer step, no compilation after step 2, and no device-to-host
@@ -271,3 +292,42 @@ def test_replicated_kv_heads_are_refused_off_trn1(
         "laid out for trn1 only; use a TP degree that divides the 2 KV heads"
     )
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    ("precision", "expected"), [("bf16-mixed", torch.float32), ("bf16-sr", torch.bfloat16)], ids=["mixed", "sr"]
+)
+def test_zero1_keeps_each_regimes_dtypes(
+    precision: str, expected: torch.dtype, worlds: dict[str, dict[str, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NxD's ZeRO-1 optimizer (torch-xla's underneath) on bf16 weights: fp32 master weight shards and AdamW state
+    under bf16-mixed; bf16 ones under bf16-sr, where only stochastic rounding keeps the small updates."""
+    from training.config.recipe import OptimizerSection, ScheduleSection
+    from training.formats.hf import read_config
+    from training.model import parallel
+    from training.model.transformer import build_model
+    from training.train.optimizer import TrainingOptimizer, neuron_trainer_options
+
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    settings = OptimizerSection(lr=1e-3)
+    parallel.initialize(1, "neuron", neuron_options=neuron_trainer_options(settings, precision=precision))  # type: ignore[arg-type]
+    try:
+        config, _ = read_config(worlds["llama"]["hf"], None)
+        model = build_model(config, seed=0, dtype=torch.bfloat16)
+        optimizer = TrainingOptimizer(model, settings, ScheduleSection(), 10, precision=precision)  # type: ignore[arg-type]
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)).to(parallel.device())
+        model(ids, ids).loss.backward()
+        optimizer.step()
+        parallel.mark_step()
+        zero1 = optimizer.inner.optimizer
+        shards = [p for group in zero1.base_optimizer.param_groups for p in group["params"]]
+        moments = [t for s in zero1.base_optimizer.state.values() for k, t in s.items() if k.startswith("exp_avg")]
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert shards and {p.dtype for p in shards} == {expected}
+        assert len(moments) == 2 * len(shards) and {t.dtype for t in moments} == {expected}
+    finally:
+        parallel.destroy()

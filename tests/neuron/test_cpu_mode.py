@@ -25,6 +25,16 @@ TP = 2
 RTOL, ATOL = 1e-5, 1e-6  # fp32; the two backends reduce in different orders
 
 
+# NxD's activation checkpointing wrapper (selective for Llama, every decoder layer for Mixtral). Sequence
+# parallelism cannot run here: NxD's GQA layer gathers the sequence with torch-xla's all_gather directly,
+# which takes XLA tensors only; tests/neuron/test_backend.py runs it on XLA:CPU at TP 1 instead.
+VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
+    "llama": {"": {}, "-selective": {"activation_checkpointing": "selective"}},
+    "mixtral": {"": {}, "-full": {"activation_checkpointing": "full"}},
+}
+CASES = [f"{architecture}{variant}" for architecture, variants in VARIANTS.items() for variant in variants]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("cpu-mode")
@@ -37,17 +47,19 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
         convert(ConvertOptions(source_format="hf", target_format="nxd", input=hf, output=checkpoint, tp=TP))
         vocab = read_config(hf, None)[0]["vocab_size"]
         batches = [torch.randint(0, vocab, (2, 24), generator=generator).tolist()]
-        for backend in ("cpu", "neuron"):
-            plan.append(
-                {
-                    "name": f"{architecture}-{backend}",
-                    "tp": TP,
-                    "checkpoint": str(checkpoint),
-                    "batches": batches,
-                    "backend": backend,
-                    "router_aux_loss": architecture == "mixtral",
-                }
-            )
+        for variant, execution in VARIANTS[architecture].items():
+            for backend in ("cpu", "neuron"):
+                plan.append(
+                    {
+                        "name": f"{architecture}{variant}-{backend}",
+                        "tp": TP,
+                        "checkpoint": str(checkpoint),
+                        "batches": batches,
+                        "backend": backend,
+                        "router_aux_loss": architecture == "mixtral",
+                        "execution": execution,
+                    }
+                )
     for case in plan:  # one torchrun a case: each initializes its own process group from torchrun's store
         (root / f"{case['name']}.json").write_text(json.dumps([case]))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={TP}"]
@@ -70,9 +82,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     }
 
 
-@pytest.mark.parametrize("architecture", ["llama", "mixtral"])
-def test_tp2_equals_the_cpu_backend(architecture: str, results: dict[str, list[dict[str, Any]]]) -> None:
-    for cpu, neuron in zip(results[f"{architecture}-cpu"], results[f"{architecture}-neuron"], strict=True):
+@pytest.mark.parametrize("case", CASES)
+def test_tp2_equals_the_cpu_backend(case: str, results: dict[str, list[dict[str, Any]]]) -> None:
+    for cpu, neuron in zip(results[f"{case}-cpu"], results[f"{case}-neuron"], strict=True):
         assert torch.allclose(neuron["logits"], cpu["logits"], rtol=RTOL, atol=ATOL)
         assert torch.allclose(neuron["loss"], cpu["loss"], rtol=RTOL, atol=ATOL)
         assert neuron["grads"].keys() == cpu["grads"].keys()

@@ -79,9 +79,25 @@ def test_every_problem_is_reported_at_once_one_line_each(tmp_path: Path) -> None
             ["data.validation_every=10"],
             "data.validation_every: 10 is not allowed; allowed: 0, or set data.validation_split as well",
         ),
+        (["precision=bf16"], "precision: 'bf16' is not allowed; allowed: fp32, bf16-mixed, bf16-sr"),
         (
-            ["precision=bf16"],
-            "precision: 'bf16' is not allowed; allowed: fp32 with backend cpu (bf16 needs backend neuron)",
+            ["precision=bf16-mixed", "optimizer.zero1=false"],
+            "precision: 'bf16-mixed' is not allowed; allowed: bf16-sr or fp32 with optimizer.zero1 false "
+            "(bf16-mixed keeps its fp32 master weights in ZeRO-1's shards)",
+        ),
+        (
+            ["parallelism.sequence_parallel=true", "batch.seq_len=63"],
+            "batch.seq_len: 63 is not allowed; allowed: a multiple of parallelism.tp (2) with "
+            "parallelism.sequence_parallel",
+        ),
+        (
+            ["backend=neuron", "memory.flash_attention=true"],
+            "batch.seq_len: 64 is not allowed; allowed: a multiple of 2048 with memory.flash_attention on backend "
+            "neuron (the NKI kernel's tile)",
+        ),
+        (
+            ["memory.activation_checkpointing=some"],
+            "memory.activation_checkpointing: 'some' is not allowed; allowed: none, selective, full",
         ),
         (["model=3"], "model: 3 is not allowed; allowed: a mapping of keys"),
     ],

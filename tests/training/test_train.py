@@ -171,9 +171,19 @@ def _flatten(value: Any, prefix: str) -> dict[str, Any]:
     return {prefix: value}
 
 
-@pytest.mark.parametrize(("tp", "processes"), [(2, 2), (1, 2)], ids=["tp2", "tp1-dp2-zero1"])
+@pytest.mark.parametrize(
+    ("tp", "processes", "settings"),
+    [
+        (2, 2, []),
+        (1, 2, []),
+        # the memory settings and bf16 regimes of the real recipes, at toy size
+        (2, 2, ["precision=bf16-sr", "parallelism.sequence_parallel=true", "memory.activation_checkpointing=full"]),
+        (1, 2, ["precision=bf16-mixed", "memory.activation_checkpointing=selective", "memory.flash_attention=true"]),
+    ],
+    ids=["tp2", "tp1-dp2-zero1", "tp2-sp-full-bf16-sr", "tp1-dp2-zero1-selective-flash-bf16-mixed"],
+)
 def test_killed_run_resumes_to_identical_weights_and_optimizer_state(
-    tp: int, processes: int, llama_world: dict[str, Path], tmp_path: Path
+    tp: int, processes: int, settings: list[str], llama_world: dict[str, Path], tmp_path: Path
 ) -> None:
     pretrained = llama_world["pretrained"]
     if tp != 2:
@@ -181,7 +191,7 @@ def test_killed_run_resumes_to_identical_weights_and_optimizer_state(
         convert(
             ConvertOptions(source_format="hf", target_format="nxd", input=llama_world["hf"], output=pretrained, tp=1)
         )
-    common = [f"parallelism.tp={tp}", "steps=10", "checkpoint.every=5", f"model.pretrained={pretrained}"]
+    common = [f"parallelism.tp={tp}", "steps=10", "checkpoint.every=5", f"model.pretrained={pretrained}", *settings]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = torchrun("tiny-llama-cpt", world_overrides(llama_world, straight, *common), processes=processes)
     assert result.returncode == 0, result.stderr[-3000:]

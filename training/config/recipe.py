@@ -224,7 +224,8 @@ def validate(recipe: Recipe) -> list[str]:
             not_allowed(
                 "precision",
                 recipe.precision,
-                "bf16-sr or fp32 with optimizer.zero1 false (bf16-mixed keeps its fp32 master weights in ZeRO-1's shards)",
+                "bf16-sr or fp32 with optimizer.zero1 false "
+                "(bf16-mixed keeps its fp32 master weights in ZeRO-1's shards)",
             )
         )
     if recipe.parallelism.sequence_parallel and recipe.batch.seq_len % recipe.parallelism.tp:
@@ -240,7 +241,8 @@ def validate(recipe: Recipe) -> list[str]:
             not_allowed(
                 "batch.seq_len",
                 recipe.batch.seq_len,
-                f"a multiple of {FLASH_ATTENTION_BLOCK} with memory.flash_attention on backend neuron (the NKI kernel's tile)",
+                f"a multiple of {FLASH_ATTENTION_BLOCK} with memory.flash_attention on backend neuron "
+                "(the NKI kernel's tile)",
             )
         )
     if recipe.data.validation_every and recipe.data.validation_split is None:

@@ -292,7 +292,7 @@ class _SequenceGatheredLinears(torch.autograd.Function):
     share of the input gradient (the replicated K/V heads count 1/multiplier), which is reduce-scattered."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx, local: torch.Tensor, dim: int, scales: tuple[float, ...], *weights: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.dim, ctx.scales = dim, scales  # type: ignore[attr-defined]
@@ -329,7 +329,7 @@ def apply_activation_checkpointing(model: nn.Module, /, check_fn: Callable[[nn.M
     is not wrapped, so names and the state dict are untouched."""
     for module in model.modules():
         if module is not model and check_fn(module):
-            module.forward = functools.partial(  # type: ignore[method-assign]
+            module.forward = functools.partial(
                 torch.utils.checkpoint.checkpoint, module.forward, use_reentrant=False
             )
 

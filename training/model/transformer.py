@@ -276,16 +276,27 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, execution: Execution) -> None:
         super().__init__()
         h, i = config.spec.hidden_size, config.spec.intermediate_size
-        sequence = {
-            "sequence_parallel_enabled": execution.sequence_parallel,
-            "sequence_dimension": 0 if execution.sequence_parallel else None,
-        }
+        sequence_parallel = execution.sequence_parallel
+        dimension = 0 if sequence_parallel else None
         self.gate_up_proj = parallel.ColumnParallelLinear(
-            h, 2 * i, bias=False, gather_output=False, dtype=config.dtype, stride=2, **sequence
+            h,
+            2 * i,
+            bias=False,
+            gather_output=False,
+            dtype=config.dtype,
+            stride=2,
+            sequence_parallel_enabled=sequence_parallel,
+            sequence_dimension=dimension,
         )
         self.activation = GatedActivation()
         self.down_proj = parallel.RowParallelLinear(
-            i, h, bias=False, input_is_parallel=True, dtype=config.dtype, **sequence
+            i,
+            h,
+            bias=False,
+            input_is_parallel=True,
+            dtype=config.dtype,
+            sequence_parallel_enabled=sequence_parallel,
+            sequence_dimension=dimension,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

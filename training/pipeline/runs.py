@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from training.config.precision import NEURON_ENVIRONMENT
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.errors import UserError
@@ -170,6 +171,8 @@ def render(plan: RunPlan) -> dict[str, str]:
                 else "",
                 "train_arguments": "--compile" if stage.name == "compile" else "--resume",
                 "max_restarts": site.max_restarts,
+                "precision": recipe.precision,
+                "precision_environment": NEURON_ENVIRONMENT[recipe.precision],
             }
             scripts[stage.name] = environment.get_template("distributed.sbatch.j2").render(context)
         else:

@@ -27,7 +27,7 @@ from training.errors import UserError
 from training.formats.hf import copy_companions, read_config
 from training.formats.layouts import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
 from training.model import parallel
-from training.model.transformer import build_model, model_flops_per_token
+from training.model.transformer import Execution, build_model, model_flops_per_token
 from training.train.checkpointing import (
     latest_complete_step,
     load_pretrained,
@@ -37,6 +37,7 @@ from training.train.checkpointing import (
 )
 from training.train.loader import BatchPlan, TrainingData
 from training.train.optimizer import TrainingOptimizer, neuron_trainer_options
+from training.train.precision import PARAMETER_DTYPE
 
 log = logging.getLogger(__name__)
 COMPILE_STEPS = 2  # step 1's optimizer graph differs from the steady state of step 2 (REFERENCE.md s7)
@@ -81,6 +82,14 @@ def check_model_fits(recipe: Recipe, spec: ModelSpec) -> Parallelism:
     return parallelism
 
 
+def execution_of(recipe: Recipe) -> Execution:
+    return Execution(
+        sequence_parallel=recipe.parallelism.sequence_parallel,
+        activation_checkpointing=recipe.memory.activation_checkpointing,
+        flash_attention=recipe.memory.flash_attention,
+    )
+
+
 def load_model_config(recipe: Recipe) -> tuple[dict[str, Any], Path]:
     directory = Path(recipe.model.config)
     if not directory.is_dir():
@@ -116,9 +125,10 @@ def train(options: TrainOptions) -> dict[str, Any]:
     plan = BatchPlan(recipe.batch.global_batch, recipe.batch.micro, world // recipe.parallelism.tp)
     plan.check()
 
-    parallel.initialize(
-        tp=recipe.parallelism.tp, backend=recipe.backend, neuron_options=neuron_trainer_options(recipe.optimizer)
+    neuron_options = neuron_trainer_options(
+        recipe.optimizer, precision=recipe.precision, sequence_parallel=recipe.parallelism.sequence_parallel
     )
+    parallel.initialize(tp=recipe.parallelism.tp, backend=recipe.backend, neuron_options=neuron_options)
     try:
         return _run(options, config, config_path, parallelism, plan, data, validation)
     finally:
@@ -139,21 +149,23 @@ def _run(
     checkpoint_dir = Path(recipe.checkpoint.dir)
     rank = parallel.world_rank()
     resume_step = latest_complete_step(checkpoint_dir) if options.resume and not options.compile_only else None
-    dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
     model = build_model(
         config,
         kv_multiplier=parallelism.kv_multiplier,
         fuse_qkv=parallelism.fuse_qkv,
-        dtype=dtype,
+        dtype=PARAMETER_DTYPE[recipe.precision],
         seed=recipe.seed,
         router_aux_loss=True,
+        execution=execution_of(recipe),
     )
     if resume_step is not None:
         load_weights(checkpoint_dir, resume_step, model)
     elif recipe.model.pretrained:
         load_pretrained(Path(recipe.model.pretrained), config_path, model)
     # Built after the weights are loaded: ZeRO-1 derives its fp32 master copy from the parameters.
-    optimizer = TrainingOptimizer(model, recipe.optimizer, recipe.schedule, recipe.steps)
+    optimizer = TrainingOptimizer(
+        model, recipe.optimizer, recipe.schedule, recipe.steps, precision=recipe.precision, seed=recipe.seed
+    )
     start = 0
     if resume_step is not None:
         content = load_training_state(checkpoint_dir, resume_step, optimizer)

@@ -16,10 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.config.recipe import OptimizerSection, ScheduleSection
+from training.config.precision import neuron_mixed_precision_config
+from training.config.recipe import OptimizerSection, Precision, ScheduleSection
+from training.errors import UserError
 from training.formats.layouts import replicated_targets
 from training.model import parallel
 from training.model.transformer import CausalLM
+from training.train.precision import MasterWeights, StochasticRoundingAdamW
 
 
 def learning_rate(step: int, peak: float, schedule: ScheduleSection, total_steps: int) -> float:
@@ -87,28 +90,53 @@ class Schedule:
 
 
 class TrainingOptimizer:
-    """One optimizer step from the accumulated gradients: DP average, clip, update. Returns the grad norm."""
+    """One optimizer step from the accumulated gradients: sequence-parallel sums, DP average, clip, update.
 
-    def __init__(self, model: CausalLM, settings: OptimizerSection, schedule: ScheduleSection, steps: int) -> None:
+    `precision` picks the regime (`training.train.precision`): on CPU, bf16-mixed updates fp32 master copies
+    and bf16-sr a stochastically rounding AdamW; on Neuron, NxD's optimizer does either from its configuration.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        settings: OptimizerSection,
+        schedule: ScheduleSection,
+        steps: int,
+        *,
+        precision: Precision = "fp32",
+        seed: int = 0,
+    ) -> None:
         self.model, self.settings = model, settings
         groups = parameter_groups(model, settings.weight_decay)
         defaults: dict[str, Any] = {"lr": settings.lr, "betas": settings.betas, "eps": settings.eps}
+        self.master: MasterWeights | None = None
         self.inner: Any
         if parallel.backend() == "neuron":
-            self.inner = _neuron_optimizer(groups, settings, defaults)
-        elif settings.zero1 and parallel.dp_size() > 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            self.inner = ZeroRedundancyOptimizer(
-                groups, optimizer_class=torch.optim.AdamW, process_group=parallel.dp_group(), **defaults
-            )
+            self.inner = _neuron_optimizer(groups, settings, defaults, precision)
         else:
-            self.inner = torch.optim.AdamW(groups, **defaults)
+            if precision == "bf16-mixed":
+                self.master = MasterWeights(model.parameters())
+                groups = [{**group, "params": [self.master.of(p) for p in group["params"]]} for group in groups]
+            optimizer_class: Any = torch.optim.AdamW
+            if precision == "bf16-sr":
+                optimizer_class, defaults = StochasticRoundingAdamW, {**defaults, "seed": seed}
+            if settings.zero1 and parallel.dp_size() > 1:
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
+                self.inner = ZeroRedundancyOptimizer(
+                    groups, optimizer_class=optimizer_class, process_group=parallel.dp_group(), **defaults
+                )
+            else:
+                self.inner = optimizer_class(groups, **defaults)
         self.scheduler = Schedule(self.inner, lambda step: learning_rate(step, settings.lr, schedule, steps))
         replicated = replicated_targets(model.spec, model.parallelism, "nxd")
-        names = dict(model.named_parameters())
+        names = {name: self._trained(p) for name, p in model.named_parameters()}
         self._sharded = [p for n, p in names.items() if n not in replicated or parallel.tp_size() == 1]
         self._replicated = [p for n, p in names.items() if n in replicated and parallel.tp_size() > 1]
+
+    def _trained(self, parameter: nn.Parameter) -> nn.Parameter:
+        """The tensor the optimizer updates for a model parameter (its fp32 master copy under bf16-mixed)."""
+        return self.master.of(parameter) if self.master is not None else parameter
 
     @property
     def lr(self) -> float:
@@ -122,17 +150,21 @@ class TrainingOptimizer:
             self.inner.step()  # reduces over DP, clips with the TP-aware norm, updates
             norm = self.inner.grad_norm if self.inner.grad_norm is not None else torch.tensor(float("nan"))
         else:
-            self._average_over_data_parallel()
+            trained = self._sharded + self._replicated
+            parallel.sum_sequence_parallel_gradients(trained)
+            self._average_over_data_parallel(trained)
             norm = torch.tensor(self._clip(), dtype=torch.float64)
             self.inner.step()
+            if self.master is not None:
+                self.master.copy_to_model()
         self.scheduler.step()
         self.inner.zero_grad(set_to_none=True)
         return norm
 
-    def _average_over_data_parallel(self) -> None:
+    def _average_over_data_parallel(self, trained: list[nn.Parameter]) -> None:
         if parallel.dp_size() == 1:
             return
-        for parameter in self.model.parameters():
+        for parameter in trained:
             if parameter.grad is not None:
                 dist.all_reduce(parameter.grad, group=parallel.dp_group())
                 parameter.grad /= parallel.dp_size()
@@ -153,7 +185,7 @@ class TrainingOptimizer:
         norm = float((sharded + squares(self._replicated)).sqrt())
         if self.settings.grad_clip > 0 and norm > self.settings.grad_clip:
             scale = self.settings.grad_clip / (norm + 1e-6)
-            for parameter in self.model.parameters():
+            for parameter in self._sharded + self._replicated:
                 if parameter.grad is not None:
                     parameter.grad.mul_(scale)
         return norm
@@ -163,32 +195,46 @@ class TrainingOptimizer:
         return getattr(self.inner, "optim", self.inner) if parallel.backend() == "cpu" else self.inner
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (its ZeRO-1 shard when sharded)."""
-        return dict(self._local().state_dict())
+        """This rank's optimizer state (its ZeRO-1 shard when sharded), with the fp32 master weights under
+        bf16-mixed (so a resumed run continues from them, not from the rounded bf16 weights)."""
+        state = dict(self._local().state_dict())
+        if self.master is not None:
+            state["master_weights"] = self.master.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        masters = state.pop("master_weights", None)
+        if self.master is not None:
+            if masters is None:
+                raise UserError(
+                    "the checkpoint's optimizer state has no fp32 master weights (saved under another precision)"
+                )
+            self.master.load_state_dict(masters)
         self._local().load_state_dict(state)
 
 
-def neuron_trainer_options(settings: OptimizerSection) -> dict[str, Any]:
-    """neuronx-distributed's trainer configuration for this optimizer (`parallel.initialize(neuron_options=)`)."""
+def neuron_trainer_options(
+    settings: OptimizerSection, *, precision: Precision = "bf16-mixed", sequence_parallel: bool = False
+) -> dict[str, Any]:
+    """neuronx-distributed's trainer configuration for this optimizer (`parallel.initialize(neuron_options=)`).
+
+    `sequence_parallel` makes NxD's optimizer sum the sequence-parallel parameters' gradients over TP first.
+    """
     return {
+        "sequence_parallel": sequence_parallel,
         "optimizer_config": {
             "zero_one_enabled": settings.zero1,
             "grad_clipping": settings.grad_clip > 0,
             "max_grad_norm": settings.grad_clip,
         },
-        "mixed_precision_config": {
-            "use_master_weights": settings.zero1,
-            "use_fp32_grad_acc": settings.zero1,
-            # Saved, so a resumed run continues from the exact fp32 master weights, not from ones re-derived
-            # from bf16 parameters (which would make it drift from the uninterrupted run).
-            "use_master_weights_in_ckpt": settings.zero1,
-        },
+        "mixed_precision_config": neuron_mixed_precision_config(precision),
     }
 
 
-def _neuron_optimizer(groups: list[dict[str, Any]], settings: OptimizerSection, defaults: dict[str, Any]) -> Any:
+def _neuron_optimizer(
+    groups: list[dict[str, Any]], settings: OptimizerSection, defaults: dict[str, Any], precision: Precision
+) -> Any:
     """neuronx-distributed's optimizer wrapper (ZeRO-1 with fp32 master weights and grad accumulation), built from
     the process's one trainer configuration."""
     from neuronx_distributed.trainer import initialize_parallel_optimizer
@@ -202,4 +248,8 @@ def _neuron_optimizer(groups: list[dict[str, Any]], settings: OptimizerSection, 
     if settings.zero1:
         # NxD hands ZeRO-1 `grad_clipping` but never the norm, so torch-xla's default max_norm=1.0 would apply.
         defaults["max_norm"] = settings.grad_clip
+        if precision == "bf16-sr":
+            # torch-xla's ZeRO-1 keeps its weight shards and AdamW state in fp32 unless told otherwise: bf16-sr
+            # keeps them in bf16 (the runtime rounds stochastically), which is what makes it 8 bytes a parameter.
+            defaults["optimizer_dtype"] = torch.bfloat16
     return initialize_parallel_optimizer(neuron_backend.trainer_config(), torch.optim.AdamW, groups, **defaults)

@@ -1,0 +1,29 @@
+"""What each precision regime asks of the Neuron stack (torch-free: job rendering and synth read it).
+
+The regimes themselves are described in `training.train.precision`.
+"""
+
+from __future__ import annotations
+
+from training.config.recipe import Precision
+
+# What the training job exports on Neuron, per regime. XLA_USE_BF16 / XLA_DOWNCAST_BF16 are gone from the
+# Neuron 2.28 stack: the model is built in bf16 instead. Standard mixed precision turns stochastic rounding
+# off (the fp32 master weights keep the small updates); bf16-sr depends on it.
+NEURON_ENVIRONMENT: dict[Precision, dict[str, str]] = {
+    "fp32": {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"},
+    "bf16-mixed": {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"},
+    "bf16-sr": {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"},
+}
+
+
+def neuron_mixed_precision_config(precision: Precision) -> dict[str, bool]:
+    """neuronx-distributed's `mixed_precision_config` for a regime (master weights need its ZeRO-1 optimizer)."""
+    mixed = precision == "bf16-mixed"
+    return {
+        "use_master_weights": mixed,
+        "use_fp32_grad_acc": mixed,
+        # Saved, so a resumed run continues from the exact fp32 master weights, not from ones re-derived
+        # from bf16 parameters (which would make it drift from the uninterrupted run).
+        "use_master_weights_in_ckpt": mixed,
+    }
