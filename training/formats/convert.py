@@ -22,9 +22,10 @@ from typing import Any, Literal
 
 import torch
 
+from training.config.model import Parallelism, check_parallelism, default_kv_multiplier
 from training.errors import UserError
 from training.formats.hf import HfSource, HfTarget, Source, copy_companions
-from training.formats.layouts import Parallelism, Rule, all_rules, check_parallelism, default_kv_multiplier
+from training.formats.layouts import Rule, all_rules
 from training.formats.readers import nbytes, release_mappings
 from training.formats.sharded import ShardedSource, ShardedTarget
 from training.logs import Progress

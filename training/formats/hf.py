@@ -17,12 +17,9 @@ from typing import Any, Protocol
 
 import torch
 
+from training.config.model import ModelSpec
 from training.errors import UserError
-from training.formats.layouts import (
-    ModelSpec,
-    Rule,
-    hf_shapes,
-)
+from training.formats.layouts import Rule, hf_shapes
 from training.formats.readers import (
     CheckpointError,
     FileRange,

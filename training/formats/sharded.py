@@ -18,21 +18,10 @@ from typing import Any, cast
 
 import torch
 
+from training.config.model import Format, ModelSpec, Parallelism, check_parallelism
 from training.errors import UserError
 from training.formats.hf import hf_names_in_order, read_config
-from training.formats.layouts import (
-    Chunk,
-    Concatenate,
-    Format,
-    Fuse,
-    ModelSpec,
-    Parallelism,
-    Rule,
-    Unfuse,
-    all_rules,
-    check_parallelism,
-    hf_shapes,
-)
+from training.formats.layouts import Chunk, Concatenate, Fuse, Rule, Unfuse, all_rules, hf_shapes
 from training.formats.readers import (
     CheckpointError,
     FileRange,

@@ -22,15 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training.config.model import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
 from training.errors import UserError
-from training.formats.layouts import (
-    ModelSpec,
-    Parallelism,
-    all_rules,
-    check_parallelism,
-    default_kv_multiplier,
-    hf_shapes,
-)
+from training.formats.layouts import all_rules, hf_shapes
 from training.model import parallel
 
 MoeDispatch = Literal["sparse", "dense"]
@@ -198,18 +192,19 @@ class CoreAttention(nn.Module):
             return output
         assert mask is not None
         scores = (q @ k.transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
         probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return probabilities @ v
 
 
 def attention_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    """[S, S] booleans, True where query i may attend to key j: causal, within the sliding window if any."""
+    """[S, S] booleans, True where query i may NOT attend to key j: later keys, and keys beyond the sliding
+    window if any. Made once per forward and shared by every layer (backward keeps one copy)."""
     distance = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)
-    allowed = distance >= 0
+    blocked = distance < 0
     if sliding_window is not None:
-        allowed &= distance < sliding_window
-    return allowed
+        blocked |= distance >= sliding_window
+    return blocked
 
 
 class Attention(nn.Module):

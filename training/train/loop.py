@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from training.config.loading import not_allowed
+from training.config.model import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
 from training.config.recipe import Recipe, recipe_as_dict
 from training.errors import UserError
 from training.formats.hf import copy_companions, read_config
-from training.formats.layouts import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
 from training.model import parallel
 from training.model.transformer import Execution, build_model, model_flops_per_token
 from training.train.checkpointing import (
