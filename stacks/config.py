@@ -20,6 +20,7 @@ from stacks.instance_types import COMPUTE_INSTANCE_TYPES, CPU_INSTANCE_TYPES
 from training.config.loading import Allowed, Bool, ConfigError, Int, Str, StrictModel, build, check, read_mapping
 from training.config.recipe import bundled_recipes, load_recipe, resolve_recipe_path
 from training.errors import UserError
+from training.train.memory import HARDWARE, refusal
 
 # Pinned once: the custom-resource provider template, the offline validator in the tests and the docs
 # all follow this version.
@@ -298,11 +299,13 @@ def validate(config: EnvironmentConfig) -> list[str]:
     for key, value in config.tags.items():
         if key.lower().startswith("aws:") or not 1 <= len(key) <= 128 or len(value) > 256:
             bad(f"tags.{key}", value, "keys of 1-128 characters not starting with 'aws:', values up to 256")
-    _validate_pipeline(config.pipeline, bad)
+    _validate_pipeline(config.pipeline, config.compute, bad)
     return problems
 
 
-def _validate_pipeline(pipeline: PipelineConfig, bad: typing.Callable[[str, Any, str], None]) -> None:
+def _validate_pipeline(
+    pipeline: PipelineConfig, compute: ComputeConfig, bad: typing.Callable[[str, Any, str], None]
+) -> None:
     bundled = [name for name in bundled_recipes() if not name.startswith("tiny-")]
     if pipeline.recipe not in bundled:
         bad("pipeline.recipe", pipeline.recipe, f"a bundled recipe ({', '.join(bundled)})")
@@ -314,12 +317,22 @@ def _validate_pipeline(pipeline: PipelineConfig, bad: typing.Callable[[str, Any,
     if pipeline.recipe in bundled and not malformed:
         # The run would fail at submission, after the cluster is built: load the recipe with them now.
         try:
-            load_recipe(pipeline.recipe, pipeline.overrides)
+            recipe = load_recipe(pipeline.recipe, pipeline.overrides)
         except UserError as error:
             problems = error.problems if isinstance(error, ConfigError) else [str(error)]
             for problem in problems:
                 detail = problem.removeprefix(f"{resolve_recipe_path(pipeline.recipe)}: ")
                 bad("pipeline.overrides", list(pipeline.overrides), f"what recipe {pipeline.recipe} accepts ({detail})")
+            return
+        # A run the deploy starts must fit the NeuronCores' memory: refuse before any trn1 node bills.
+        hardware = HARDWARE.get(compute.instance_type)
+        if pipeline.start_run and hardware is not None:
+            try:
+                too_big = refusal(recipe, hardware)
+            except UserError as error:
+                too_big = str(error)
+            if too_big is not None:
+                bad("pipeline.recipe", pipeline.recipe, f"a recipe that fits: {too_big}")
 
 
 def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, str], None]) -> None:

@@ -41,6 +41,7 @@ def site_settings(config: EnvironmentConfig, *, neuron_release: str, results_uri
         partition=config.compute.queue_name,
         cpu_partition=config.cpu_queue.queue_name if config.cpu_queue else None,
         processes_per_node=facts.neuron_cores,
+        instance_type=config.compute.instance_type,
         exclusive=True,
         neuron=True,
         efa=config.compute.efa,

@@ -38,6 +38,7 @@ EXAMPLES = {  # one per subcommand, shown by --help; {prog} is `python -m traini
     "prepare sft": "{prog} prepare sft --tokenizer /fsx/models/Mixtral-8x7B-v0.1 --output /fsx/data/no-robots-2k",
     "convert": "{prog} convert --from hf --to nxd --input /fsx/models/Llama-3.1-8B --output /fsx/ckpt/llama --tp 32",
     "train": "torchrun --nproc_per_node 32 -m training train --recipe llama31-8b-cpt --resume",
+    "plan": "{prog} plan --recipe llama31-8b-cpt memory.activation_checkpointing=none --json",
     "submit": "{prog} submit --recipe llama31-8b-cpt --site /fsx/pipeline/site-default.yaml steps=100",
     "status": "{prog} status --site /fsx/pipeline/site-default.yaml",
     "cancel": "{prog} cancel --run-id llama31-8b-cpt-20250601-120000 --site /fsx/pipeline/site-default.yaml",
@@ -197,6 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--metrics", type=Path, help="JSON lines file (default: <checkpoint.dir>/metrics.jsonl)")
 
+    plan = _command(
+        commands,
+        "plan",
+        "memory per NeuronCore of a recipe against the device's, and the cheapest fix when it does not fit",
+        prog,
+        EXAMPLES["plan"],
+    )
+    plan.add_argument("--recipe", required=True, help=recipe_help)
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. nodes=8")
+    plan.add_argument(
+        "--instance-type",
+        default="trn1.32xlarge",
+        choices=["trn1.32xlarge", "trn1n.32xlarge", "trn1.2xlarge"],
+        help="the training nodes (default: trn1.32xlarge)",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
     site_help = (
         f"site settings YAML: runs root, results, python, partition... (default: ${SITE_VARIABLE}, "
         "else local defaults: runs in work/runs)"
@@ -275,12 +293,15 @@ def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 done, 1 `status` of a failed run, 2 user error (argparse's own errors included)."""
+    """Exit status: 0 done, 1 `status` of a failed run or a `plan` that does not fit, 2 user error (argparse's
+    own errors included)."""
     arguments = build_parser().parse_args(argv)
     try:
         setup_logging(training=arguments.command == "train")
         if arguments.command == "train":
             return _train(arguments)
+        if arguments.command == "plan":
+            return _plan(arguments)
         if arguments.command in ("submit", "status", "cancel", "sample", "export"):
             return _pipeline(arguments)
         manifest = _run(arguments)
@@ -366,6 +387,15 @@ def _train(arguments: argparse.Namespace) -> int:
 
     recipe = load_recipe(arguments.recipe, arguments.overrides)
     return run_from_cli(recipe, resume=arguments.resume, compile_only=arguments.compile, metrics=arguments.metrics)
+
+
+def _plan(arguments: argparse.Namespace) -> int:
+    from training.config.recipe import load_recipe
+    from training.train.memory import HARDWARE, report
+
+    data, text = report(load_recipe(arguments.recipe, arguments.overrides), HARDWARE[arguments.instance_type])
+    print(json.dumps(data, indent=2) if arguments.json else text)
+    return 0 if data["fits"] else 1
 
 
 def site_file(given: Path | None, environ: Mapping[str, str] = os.environ) -> Path | None:

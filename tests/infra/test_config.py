@@ -61,6 +61,14 @@ def test_default_reproduces_the_first_document() -> None:
     assert (config.storage.fsx_capacity_gib, config.storage.mount_dir) == (1200, "/fsx")
 
 
+def test_a_recipe_that_does_not_fit_is_refused_only_when_the_deploy_would_start_it(env_dir: Path) -> None:
+    """An environment that starts no run (start_run: false) may name any recipe; the refusal comes when a deploy
+    would start it (rule "pipeline recipe that does not fit the NeuronCores"), and again at `submit`."""
+    text = (ENVIRONMENTS_DIR / "default.yaml").read_text().replace("recipe: llama31-8b-cpt", "recipe: mixtral-8x7b-sft")
+    (env_dir / "idle.yaml").write_text(text)
+    assert load_environment("idle", env_dir).pipeline.recipe == "mixtral-8x7b-sft"
+
+
 def test_smoke_environment_has_no_efa() -> None:
     config = load_environment("smoke", ENVIRONMENTS_DIR)
     assert (config.compute.instance_type, config.compute.efa, config.compute.max_count) == ("trn1.2xlarge", False, 1)
@@ -84,6 +92,14 @@ RULES = {
         {"pipeline.recipe": "gpt-oss"},
         "environments-under-test/candidate.yaml: pipeline.recipe: 'gpt-oss' is not allowed; allowed: a bundled "
         "recipe (llama31-8b-cpt, mixtral-8x7b-sft)",
+    ),
+    "pipeline recipe that does not fit the NeuronCores": (
+        {"pipeline.recipe": "mixtral-8x7b-sft", "pipeline.start_run": True},
+        "environments-under-test/candidate.yaml: pipeline.recipe: 'mixtral-8x7b-sft' is not allowed; allowed: a "
+        "recipe that fits: recipe mixtral-8x7b-sft needs 36.49 GiB per NeuronCore of the 16 GiB on trn1.32xlarge "
+        "(-128% headroom, 10% required); cheapest fix: memory.flash_attention=true "
+        "parallelism.sequence_parallel=true memory.activation_checkpointing=full precision=bf16-sr (13.44 GiB, 16% "
+        "headroom) (python -m training plan --recipe mixtral-8x7b-sft)",
     ),
     "pipeline override without =": (
         {"pipeline.overrides": ["steps"]},

@@ -27,6 +27,9 @@ class Site(StrictModel):
     partition: Str | None = None
     cpu_partition: Str | None = Field(None, description="partition of the single-node CPU stages (default: partition)")
     processes_per_node: PositiveInt | None = Field(None, description="default: the recipe's tp (one TP group a node)")
+    instance_type: Str | None = Field(
+        None, description="the training nodes' instance type, which `submit` plans memory against (trn1.32xlarge)"
+    )
     exclusive: Bool = False
     neuron: Bool = Field(False, description="Neuron environment variables and neuron_parallel_compile")
     efa: Bool = False

@@ -225,8 +225,9 @@ def _slice_along(tensor: torch.Tensor, argument: tuple[ProcessGroup, int]) -> to
 
 
 def _reduce_scatter_along(tensor: torch.Tensor, argument: tuple[ProcessGroup, int]) -> torch.Tensor:
-    # gloo has no reduce-scatter: the sum, then this rank's slice (the same values; only the traffic differs)
-    return _slice_along(_all_reduce(tensor, argument[0]), argument)
+    # gloo has no reduce-scatter: the sum, then a copy of this rank's slice (the same values and memory as a
+    # reduce-scatter's result; a view would keep the whole sum alive)
+    return _slice_along(_all_reduce(tensor, argument[0]), argument).clone()
 
 
 Step = Callable[[torch.Tensor, Any], torch.Tensor]

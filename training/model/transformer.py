@@ -379,8 +379,10 @@ class MoE(nn.Module):
         if self.dispatch == "dense":
             dense = torch.zeros(local.shape[0], gate_up.shape[0], dtype=weights.dtype, device=local.device)
             dense = dense.scatter(1, top_experts, weights)
-            outputs = torch.einsum("etf,efh->eth", self.activation(torch.einsum("th,ehf->etf", local, gate_up)), down)
-            partial = torch.einsum("te,eth->th", dense, outputs.to(dense.dtype)).to(x.dtype)
+            # batched matmuls over the experts, the tokens broadcast (no copy of them or of the weights is kept)
+            every = local.expand(gate_up.shape[0], *local.shape)
+            outputs = torch.bmm(self.activation(torch.bmm(every, gate_up)), down)  # [E, T, H]
+            partial = (outputs.to(dense.dtype) * dense.t().unsqueeze(-1)).sum(0).to(x.dtype)
         else:
             # Token choices grouped by expert with one sort, each expert's rows a contiguous slice.
             choices = top_experts.reshape(-1)

@@ -25,6 +25,7 @@ from training.config.precision import NEURON_ENVIRONMENT
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.errors import UserError
+from training.train.memory import DEFAULT_HARDWARE, HARDWARE, model_config, refusal
 
 TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().parents[2] / "assets" / "slurm"))
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
@@ -57,6 +58,21 @@ class RunPlan:
     settings: dict[str, Any]  # the run's recipe, paths resolved: what every job reads
     site: Site
     stages: list[Stage] = field(default_factory=list)
+
+
+def check_memory(recipe: Recipe, site: Site) -> None:
+    """Refuse a Neuron recipe that does not fit the NeuronCores' memory, before any job is submitted."""
+    if recipe.backend != "neuron":
+        return  # the CPU backend (tests, the local demo) has no device memory to plan
+    instance_type = site.instance_type or DEFAULT_HARDWARE.name
+    if instance_type not in HARDWARE:
+        raise UserError(f"site instance_type {instance_type!r} is not supported; allowed: {', '.join(HARDWARE)}")
+    if model_config(recipe) is None:
+        print(f"warning: memory not planned: no config.json in model.config {recipe.model.config}", file=sys.stderr)
+        return
+    problem = refusal(recipe, HARDWARE[instance_type])
+    if problem is not None:
+        raise UserError(problem)
 
 
 def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
@@ -239,6 +255,7 @@ def latest_jobs(run: dict[str, Any]) -> dict[str, str]:
 
 def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: Site, dry_run: bool) -> dict[str, Any]:
     recipe = load_recipe(recipe_file, overrides)
+    check_memory(recipe, site)
     plan = plan_run(recipe, site, run_id)
     scripts = render(plan)
     if dry_run:
