@@ -1,12 +1,17 @@
-"""Training step time on CPU: our model (tp=1, the training job's code) against transformers' model of the
-same config and weights, in one run.
+"""Training step time on CPU, in one run: our model (tp=1, the training job's code) against transformers' model
+of the same config and weights, and our model's activation checkpointing against none.
 
     python benchmarks/bench_train.py [--steps 10] [--rounds 3] [--models llama mixtral]
 
-A step is forward, backward and an AdamW update on one batch, as the training job does it. Both models get
+A step is forward, backward and an AdamW update on one batch, as the training job does it. All models get
 the same weights (ours loaded from the converter's nxd output) and the same batches; rounds alternate the
-two models so a slow spell of the machine hits both, and each model's median step counts. Prints the ratio
-(target: ours within 1.1x of transformers).
+models so a slow spell of the machine hits all of them, and each model's median step counts. Prints:
+
+- ours (flash attention, the kernel transformers' sdpa attention uses too) against transformers
+  (target: within 1.1x);
+- selective and full activation checkpointing against none, all with materialised attention scores (the
+  planner's terms), with the bytes autograd keeps for backward (tests/support/saved_tensors.py) and how much
+  of them each saves (targets: selective at most 1.15x the step time, full at most 1.4x).
 """
 
 from __future__ import annotations
@@ -49,18 +54,43 @@ def hf_model(architecture: str, directory: Path) -> Any:
     return model
 
 
-def our_model(directory: Path, work: Path) -> Any:
+def our_model(directory: Path, work: Path, **execution: Any) -> Any:
     from training.formats.convert import ConvertOptions, convert
     from training.formats.hf import read_config
-    from training.model.transformer import build_model
+    from training.model.transformer import Execution, build_model
     from training.train.checkpointing import load_pretrained
 
     weights = work / "nxd"
-    convert(ConvertOptions(source_format="hf", target_format="nxd", input=directory, output=weights, tp=1))
+    if not weights.is_dir():
+        convert(ConvertOptions(source_format="hf", target_format="nxd", input=directory, output=weights, tp=1))
     config, config_path = read_config(directory, None)
-    model = build_model(config, seed=None, router_aux_loss=False)
+    model = build_model(config, seed=None, router_aux_loss=False, execution=Execution(**execution))
     load_pretrained(weights, config_path, model)
     return model
+
+
+def saved_bytes(model: Any, input_ids: torch.Tensor) -> int:
+    from tests.support.saved_tensors import saved_for_backward
+    from training.train.loader import shift_labels
+
+    with saved_for_backward(model) as saved:
+        loss = model(input_ids, shift_labels(input_ids)).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return saved.bytes
+
+
+def medians(
+    models: dict[str, tuple[Any, bool]], batches: list[torch.Tensor], steps: int, rounds: int
+) -> dict[str, float]:
+    """Median step time of each model, rounds alternating between them after one warm-up pass each."""
+    for model, ours in models.values():
+        step_times(model, batches, ours)  # warm-up: allocator, first-call overheads
+    measured: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, (model, ours) in models.items():
+            measured[name] += step_times(model, batches * (steps // 2), ours)
+    return {name: statistics.median(times) for name, times in measured.items()}
 
 
 def step_times(model: Any, batches: list[torch.Tensor], ours: bool) -> list[float]:
@@ -90,23 +120,30 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ_LEN), generator=generator) for _ in range(2)]
     print(f"{BATCH} x {SEQ_LEN} tokens per step, fp32, {torch.get_num_threads()} threads; median step in seconds")
+    mib = 2**20
     for architecture in arguments.models:
         with tempfile.TemporaryDirectory() as folder:
             work = Path(folder)
             reference = hf_model(architecture, work / "hf").train()
-            ours = our_model(work / "hf", work).train()
-            step_times(ours, batches, True)  # warm-up: allocator, first-call overheads
-            step_times(reference, batches, False)
-            measured: dict[str, list[float]] = {"ours": [], "transformers": []}
-            for _ in range(arguments.rounds):
-                measured["ours"] += step_times(ours, batches * (arguments.steps // 2), True)
-                measured["transformers"] += step_times(reference, batches * (arguments.steps // 2), False)
-            ours_median = statistics.median(measured["ours"])
-            reference_median = statistics.median(measured["transformers"])
+            models = {
+                "transformers": (reference, False),
+                "ours": (our_model(work / "hf", work, flash_attention=True).train(), True),
+            }
+            for mode in ("none", "selective", "full"):
+                models[mode] = (our_model(work / "hf", work, activation_checkpointing=mode).train(), True)
+            times = medians(models, batches, arguments.steps, arguments.rounds)
             print(
-                f"{architecture}: ours {ours_median:.4f}, transformers {reference_median:.4f}: "
-                f"ours is {ours_median / reference_median:.2f}x the transformers step time (target <= 1.1x)"
+                f"{architecture}: ours {times['ours']:.4f}, transformers {times['transformers']:.4f}: "
+                f"ours is {times['ours'] / times['transformers']:.2f}x the transformers step time (target <= 1.1x)"
             )
+            kept = {mode: saved_bytes(models[mode][0], batches[0]) for mode in ("none", "selective", "full")}
+            for mode, target in (("selective", 1.15), ("full", 1.4)):
+                print(
+                    f"{architecture}: {mode} checkpointing {times[mode]:.4f} against none {times['none']:.4f}: "
+                    f"{times[mode] / times['none']:.2f}x the step time (target <= {target}x); keeps "
+                    f"{kept[mode] / mib:.1f} MiB for backward instead of {kept['none'] / mib:.1f} MiB "
+                    f"({1 - kept[mode] / kept['none']:.0%} saved)"
+                )
     parallel.destroy()
 
 

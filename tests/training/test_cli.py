@@ -63,6 +63,7 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         "prepare sft",
         "convert",
         "train",
+        "plan",
         "submit",
         "status",
         "cancel",
@@ -75,6 +76,8 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         assert "--input" in options(commands[name]), name  # the one path it reads
     for name in ("submit", "status", "cancel"):
         assert "--site" in options(commands[name]), name
+    for name in ("train", "plan", "submit", "sample"):
+        assert "--recipe" in options(commands[name]), name
     assert "--run-dir" in options(commands["export"])
     retired = {"--out", "--env-file", "--model"}
     assert not [(name, options(p) & retired) for name, p in commands.items() if options(p) & retired]

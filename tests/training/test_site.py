@@ -37,6 +37,6 @@ def test_every_problem_is_one_line(tmp_path: Path) -> None:
         f"{path}: processes_per_node: 0 is not allowed; allowed: an integer above 0 (or omit it)",
         f"{path}: neuron: 'yes please' is not allowed; allowed: true or false",
         f"{path}: queue: unknown key; allowed keys here: name, runs_root, results, python, setup, slurm_bin, "
-        "partition, cpu_partition, processes_per_node, exclusive, neuron, efa, compile_cache, max_restarts, "
-        "time_minutes",
+        "partition, cpu_partition, processes_per_node, instance_type, exclusive, neuron, efa, compile_cache, "
+        "max_restarts, time_minutes",
     ]
