@@ -281,3 +281,17 @@ def test_submit_refuses_a_recipe_that_does_not_fit_before_writing_anything(
     assert error.count("\n") == 0 and error.startswith("error: recipe mixtral-8x7b-sft needs "), error
     assert not (tmp_path / "work").exists()
     assert main(["submit", "--recipe", "llama31-8b-cpt", "--dry-run"]) == 0  # the Llama recipe fits
+
+
+@pytest.mark.parametrize("model", ["llama", "mixtral"])
+def test_checkpointing_keeps_less_as_planned(model: str, measured: dict[str, Any]) -> None:
+    """Selective keeps less than none and full less than selective, measured, by the amounts the plan says."""
+    kept = {}
+    for mode in ("none", "selective", "full"):
+        name = f"{model}-tp2-float32-{mode}-sp" + ("-sparse" if model == "mixtral" else "")
+        case = next(c for c in ACTIVATION_CASES if c["name"] == name)
+        kept[mode] = (measured[name][0]["saved_bytes"], saved_activation_bytes(workload(case)))
+    assert kept["none"][0] > kept["selective"][0] > kept["full"][0]
+    for less, more in (("selective", "none"), ("full", "selective")):
+        measured_drop, planned_drop = kept[more][0] - kept[less][0], kept[more][1] - kept[less][1]
+        assert planned_drop == pytest.approx(measured_drop, rel=TOLERANCE)
