@@ -28,6 +28,7 @@ def run_case(case: dict[str, Any], out: Path) -> None:
             dtype=case["dtype"],
             kv_multiplier=case.get("kv_multiplier"),
             moe_dispatch=case.get("moe_dispatch"),
+            capacity_factor=case.get("capacity_factor"),
             router_aux_loss=True,
             execution=Execution(**case.get("execution", {})),
         )

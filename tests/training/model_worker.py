@@ -33,6 +33,7 @@ def run_case(case: dict[str, Any], out: Path) -> None:
             "moe_dispatch": case.get("moe_dispatch"),
             "router_aux_loss": case.get("router_aux_loss"),
             "execution": Execution(**case.get("execution", {})),
+            "capacity_factor": case.get("capacity_factor"),
         }
         tp_rank, dp_rank = parallel.tp_rank(), parallel.dp_rank()
         rank_file = f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_00.pt"

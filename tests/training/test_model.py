@@ -9,6 +9,7 @@ converter's rank files, and the write-back of that state dict through `convert -
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -145,6 +146,8 @@ TP1_CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any]]] = {
         lambda d: llama(d),
         {"execution": Execution(activation_checkpointing="selective", flash_attention=True)},
     ),
+    # capacity-factor dispatch with a capacity that drops nothing (E / k: every expert can take every token)
+    "mixtral-capacity": (lambda d: mixtral(d, layers=2), {"router_aux_loss": True, "capacity_factor": 2.0}),
     "mixtral-sp-full": (
         lambda d: mixtral(d, layers=2),
         {"router_aux_loss": True, "execution": Execution(sequence_parallel=True, activation_checkpointing="full")},
@@ -263,6 +266,12 @@ TP_CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, Any]
         lambda d: mixtral(d, layers=2),
         {},
         {"router_aux_loss": True, "execution": {"sequence_parallel": True, "activation_checkpointing": "full"}},
+        2,
+    ),
+    "mixtral-capacity-sp-tp2-dp2": (
+        lambda d: mixtral(d, layers=2),
+        {},
+        {"router_aux_loss": True, "capacity_factor": 2.0, "execution": {"sequence_parallel": True}},
         2,
     ),
     "mixtral-dense-sp-tp4": (
@@ -391,3 +400,55 @@ def test_swapped_query_heads_give_other_logits(tp_runs: dict[str, Any]) -> None:
     expected = hf_reference(tp_runs["llama-gqa-tp4-kv2"]["source"], torch.tensor(batches(4)[0]))
     logits = tp_runs[SWAPPED]["ranks"][0]["logits"]
     assert not torch.allclose(logits, expected["logits"], atol=1e-3)
+
+
+# --- capacity-factor dispatch ------------------------------------------------------------------------------
+
+
+def capacity_reference(moe: torch.nn.Module, x: torch.Tensor, capacity_factor: float) -> tuple[torch.Tensor, int]:
+    """The capacity semantics spelled out token by token: each expert takes the first C choices in token
+    order, a token's kept weights are renormalised, a token with none kept gets nothing."""
+    experts = moe.expert_mlps.mlp_op
+    gate_up, down = experts.gate_up_proj.weight, experts.down_proj.weight
+    total, count, k = x.shape[0], gate_up.shape[0], moe.top_k
+    capacity = min(total, math.ceil(total * k * capacity_factor / count))
+    weights, chosen = torch.softmax(moe.router.linear_router(x).float(), dim=-1).topk(k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    taken = [0] * count
+    output, dropped = torch.zeros_like(x), 0
+    for t in range(total):
+        kept = []
+        for j in range(k):
+            e = int(chosen[t, j])
+            if taken[e] < capacity:
+                taken[e] += 1
+                kept.append(j)
+            else:
+                dropped += 1
+        norm = sum(float(weights[t, j]) for j in kept)
+        for j in kept:
+            e = int(chosen[t, j])
+            gate, up = (x[t] @ gate_up[e]).chunk(2)
+            output[t] += (torch.nn.functional.silu(gate) * up) @ down[e] * float(weights[t, j]) / norm
+    return output, dropped
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 2.0])
+def test_capacity_dispatch_keeps_each_experts_first_tokens(
+    capacity_factor: float, tmp_path: Path, single_process: None
+) -> None:
+    config = config_of(mixtral(tmp_path / "hf", layers=1))
+    model = build_model(config, seed=3, capacity_factor=capacity_factor, router_aux_loss=True)
+    moe = model.model.layers[0].mlp
+    x = torch.randn(40, config["hidden_size"], generator=torch.Generator().manual_seed(0))
+    output, _ = moe(x)
+    with torch.no_grad():
+        expected, dropped = capacity_reference(moe, x, capacity_factor)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
+    assert int(moe.dropped) == dropped
+    assert (dropped > 0) == (capacity_factor < 2.0)  # 4 experts, top 2: a factor of 2 drops nothing
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    result = model(ids, shifted(ids))
+    assert result.dropped is not None and int(result.dropped) == int(moe.dropped)
+    result.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

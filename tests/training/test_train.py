@@ -249,3 +249,17 @@ def test_bad_recipe_fails_at_start_with_one_line(
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and error.startswith("error: ") and message in error, error
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_capacity_dispatch_logs_the_dropped_fraction(mixtral_world: dict[str, Path], tmp_path: Path) -> None:
+    """A capacity factor below what the router needs drops choices, and the metrics say how many; one that
+    fits every choice drops none."""
+    fractions = {}
+    for factor in (0.5, 2.0):
+        checkpoints = tmp_path / f"cf-{factor}"
+        overrides = world_overrides(mixtral_world, checkpoints, "steps=3", f"moe.capacity_factor={factor}")
+        result = torchrun("tiny-mixtral-sft", overrides, processes=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+        fractions[factor] = [record["moe_dropped"] for record in metrics(checkpoints)]
+    assert all(0 < fraction < 1 for fraction in fractions[0.5]), fractions
+    assert fractions[2.0] == [0.0, 0.0, 0.0]

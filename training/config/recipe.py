@@ -83,6 +83,17 @@ class MemorySection(StrictModel):
     )
 
 
+class MoeSection(StrictModel):
+    """Mixture-of-experts settings (ignored by dense models)."""
+
+    capacity_factor: PositiveFloat | None = Field(
+        None,
+        description="expert capacity = ceil(tokens x top-k x factor / experts) per micro batch; choices beyond it "
+        "are dropped and counted (moe_dropped in the metrics). Omit: nothing dropped, every expert runs every token "
+        "on Neuron",
+    )
+
+
 class BatchSection(StrictModel):
     global_batch: PositiveInt = Field(alias="global", description="sequences per optimizer step")
     micro: PositiveInt = Field(1, description="sequences per forward/backward on one data-parallel rank")
@@ -140,6 +151,7 @@ class Recipe(StrictModel):
     steps: PositiveInt
     parallelism: ParallelismSection = ParallelismSection()
     memory: MemorySection = MemorySection()
+    moe: MoeSection = MoeSection()
     schedule: ScheduleSection = ScheduleSection()
     backend: BackendName = "neuron"
     precision: Precision = Field(

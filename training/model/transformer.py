@@ -27,7 +27,7 @@ from training.errors import UserError
 from training.formats.layouts import all_rules, hf_shapes
 from training.model import parallel
 
-MoeDispatch = Literal["sparse", "dense"]
+MoeDispatch = Literal["sparse", "dense", "capacity"]
 Checkpointing = Literal["none", "selective", "full"]
 ROPE_TYPES = ("default", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -342,12 +342,27 @@ class MoE(nn.Module):
     summed over TP. The routing weights enter the TP region like activations do, so the router's gradient
     is complete on every rank. `dispatch`: "sparse" runs each expert on its tokens only (dynamic shapes);
     "dense" runs every expert on every token with zero weight where not chosen (static shapes for XLA,
-    E/k times the expert FLOPs). Both compute the same function.
+    E/k times the expert FLOPs). Both compute the same function. "capacity" gives each expert a fixed
+    number of slots, C = min(T, ceil(T * k * capacity_factor / E)), filled in token order; a choice beyond
+    its expert's capacity is dropped and the token's remaining weights are renormalised (neuronx-distributed's
+    capacity-factor semantics): static shapes at about capacity_factor times the useful FLOPs. With a
+    capacity that drops nothing it computes the same function as the others. `dropped` holds the number of
+    dropped choices of the last forward.
     """
 
-    def __init__(self, config: ModelConfig, tp: int, dispatch: MoeDispatch, execution: Execution) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: int,
+        dispatch: MoeDispatch,
+        execution: Execution,
+        capacity_factor: float | None = None,
+    ) -> None:
         super().__init__()
-        self.top_k, self.dispatch = config.experts_per_token, dispatch
+        if dispatch == "capacity" and capacity_factor is None:
+            raise ValueError("the capacity dispatch needs a capacity_factor")
+        self.top_k, self.dispatch, self.capacity_factor = config.experts_per_token, dispatch, capacity_factor
+        self.dropped: torch.Tensor | None = None
         self.sequence_parallel = execution.sequence_parallel
         self.router = _Router(config, execution.sequence_parallel)
         self.expert_mlps = _ExpertMLPs(config, tp)
@@ -383,6 +398,8 @@ class MoE(nn.Module):
             every = local.expand(gate_up.shape[0], *local.shape)
             outputs = torch.bmm(self.activation(torch.bmm(every, gate_up)), down)  # [E, T, H]
             partial = (outputs.to(dense.dtype) * dense.t().unsqueeze(-1)).sum(0).to(x.dtype)
+        elif self.dispatch == "capacity":
+            partial = self._capacity_dispatch(local, weights, top_experts, gate_up, down)
         else:
             # Token choices grouped by expert with one sort, each expert's rows a contiguous slice.
             choices = top_experts.reshape(-1)
@@ -403,6 +420,40 @@ class MoE(nn.Module):
             return parallel.reduce_scatter_to_sequence_parallel_region(partial).view(shape), logits
         return parallel.reduce_from_tensor_model_parallel_region(partial).view(shape), logits
 
+    def _capacity_dispatch(
+        self,
+        local: torch.Tensor,
+        weights: torch.Tensor,
+        top_experts: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each expert's first C chosen tokens (in token order) in slots [E, C]; the rest dropped."""
+        assert self.capacity_factor is not None
+        total, experts = local.shape[0], gate_up.shape[0]
+        capacity = min(total, math.ceil(total * self.top_k * self.capacity_factor / experts))
+        chosen = F.one_hot(top_experts, experts).sum(dim=1)  # [T, E]: 1 where the token chose the expert
+        position = torch.cumsum(chosen, dim=0) - 1  # the token's place in its expert's queue
+        kept = (chosen * (position < capacity)).gather(1, top_experts).bool()  # [T, k]
+        self.dropped = (~kept).sum()
+        slot = top_experts * capacity + position.gather(1, top_experts)  # [T, k]: the choice's slot
+        # Which token fills each slot (static shapes: dropped choices go to one extra, discarded slot; slots
+        # never filled read a zero row appended after the tokens).
+        slots = experts * capacity
+        owner = torch.full((slots + 1,), total, dtype=torch.long, device=local.device)
+        tokens = torch.arange(total, device=local.device).unsqueeze(1).expand_as(slot)
+        owner = owner.scatter(0, torch.where(kept, slot, slots).flatten(), tokens.flatten())[:slots]
+        padded = torch.cat([local, local.new_zeros(1, local.shape[1])])
+        inputs = padded[owner].view(experts, capacity, -1)
+        outputs = torch.bmm(self.activation(torch.bmm(inputs, gate_up)), down).view(experts * capacity, -1)
+        kept_weights = weights * kept
+        kept_weights = kept_weights / kept_weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+        partial = torch.zeros_like(local, dtype=weights.dtype)
+        for choice in range(self.top_k):
+            safe = torch.where(kept[:, choice], slot[:, choice], 0)
+            partial = partial + outputs[safe].to(weights.dtype) * kept_weights[:, choice, None]
+        return partial.to(local.dtype)
+
 
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
     """Switch-Transformer balance loss over all layers' tokens, as transformers' Mixtral computes it:
@@ -421,7 +472,12 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int,
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, parallelism: Parallelism, dispatch: MoeDispatch, execution: Execution
+        self,
+        config: ModelConfig,
+        parallelism: Parallelism,
+        dispatch: MoeDispatch,
+        execution: Execution,
+        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
         h, eps, sequence_parallel = config.spec.hidden_size, config.rms_norm_eps, execution.sequence_parallel
@@ -429,7 +485,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, parallelism, execution)
         self.post_attention_layernorm = RMSNorm(h, eps, config.dtype, sequence_parallel=sequence_parallel)
         self.mlp: nn.Module = (
-            MoE(config, parallelism.tp, dispatch, execution)
+            MoE(config, parallelism.tp, dispatch, execution, capacity_factor)
             if config.spec.architecture == "mixtral"
             else MLP(config, execution)
         )
@@ -446,7 +502,12 @@ class DecoderLayer(nn.Module):
 
 class Decoder(nn.Module):
     def __init__(
-        self, config: ModelConfig, parallelism: Parallelism, dispatch: MoeDispatch, execution: Execution
+        self,
+        config: ModelConfig,
+        parallelism: Parallelism,
+        dispatch: MoeDispatch,
+        execution: Execution,
+        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
         spec = config.spec
@@ -459,7 +520,7 @@ class Decoder(nn.Module):
             sequence_parallel_enabled=execution.sequence_parallel,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, parallelism, dispatch, execution) for _ in range(spec.num_layers)
+            DecoderLayer(config, parallelism, dispatch, execution, capacity_factor) for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(
             spec.hidden_size, config.rms_norm_eps, config.dtype, sequence_parallel=execution.sequence_parallel
@@ -491,6 +552,7 @@ class CausalLMOutput:
     logits: torch.Tensor  # fp32, this rank's vocabulary slice [B, S, V/tp]
     loss: torch.Tensor | None  # mean over labelled tokens (+ aux_loss when present)
     aux_loss: torch.Tensor | None  # router load-balancing loss, already times router_aux_loss_coef
+    dropped: torch.Tensor | None = None  # capacity dispatch: token-expert choices dropped, all layers
 
 
 class CausalLM(nn.Module):
@@ -502,12 +564,13 @@ class CausalLM(nn.Module):
         dispatch: MoeDispatch,
         router_aux_loss: bool,
         execution: Execution = Execution(),
+        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
         self.config, self.parallelism, self.router_aux_loss = config, parallelism, router_aux_loss
         self.execution = execution
         spec = config.spec
-        self.model = Decoder(config, parallelism, dispatch, execution)
+        self.model = Decoder(config, parallelism, dispatch, execution, capacity_factor)
         self.lm_head = parallel.ColumnParallelLinear(
             spec.hidden_size,
             spec.vocab_size,
@@ -549,7 +612,9 @@ class CausalLM(nn.Module):
             loss = losses.sum() / (labels != parallel.IGNORE_INDEX).sum().clamp_min(1)
             if aux_loss is not None:
                 loss = loss + aux_loss
-        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss)
+        counts = [m.dropped for m in self.model.modules() if isinstance(m, MoE) and m.dropped is not None]
+        dropped = torch.stack(counts).sum() if counts else None
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, dropped=dropped)
 
 
 def gather_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -567,6 +632,7 @@ def build_model(
     moe_dispatch: MoeDispatch | None = None,
     router_aux_loss: bool | None = None,
     execution: Execution = Execution(),
+    capacity_factor: float | None = None,
 ) -> CausalLM:
     """The model for this rank, on `parallel.device()`; the TP degree is the initialized facade's.
 
@@ -574,7 +640,8 @@ def build_model(
     fuse_qkv: one `weight_qkv` per layer instead of `weight_q/k/v`; must match the checkpoint.
     dtype: parameter dtype (default: the config's `dtype`/`torch_dtype`, else fp32).
     seed: initialise deterministically (see `initialize_weights`); None leaves weights for `load_state_dict`.
-    moe_dispatch: "sparse" (default on CPU) or "dense" (default on Neuron: static shapes).
+    moe_dispatch: "sparse" (default on CPU) or "dense" (default on Neuron: static shapes), or "capacity"
+        (the default when `capacity_factor` is given: fixed expert capacity, tokens beyond it dropped).
     router_aux_loss: add Mixtral's load-balancing loss (default: the config's `output_router_logits`).
     execution: sequence parallelism, activation checkpointing, flash attention (see `Execution`).
     """
@@ -582,9 +649,17 @@ def build_model(
     spec, tp = model_config.spec, parallel.tp_size()
     parallelism = Parallelism(tp=tp, kv_multiplier=kv_multiplier or default_kv_multiplier(spec, tp), fuse_qkv=fuse_qkv)
     check_parallelism(spec, parallelism, "nxd")
-    dispatch: MoeDispatch = moe_dispatch or ("dense" if parallel.backend() == "neuron" else "sparse")
+    default: MoeDispatch = "dense" if parallel.backend() == "neuron" else "sparse"
+    dispatch: MoeDispatch = moe_dispatch or ("capacity" if capacity_factor is not None else default)
     aux = model_config.output_router_logits if router_aux_loss is None else router_aux_loss
-    model = CausalLM(model_config, parallelism, dispatch=dispatch, router_aux_loss=aux, execution=execution)
+    model = CausalLM(
+        model_config,
+        parallelism,
+        dispatch=dispatch,
+        router_aux_loss=aux,
+        execution=execution,
+        capacity_factor=capacity_factor,
+    )
     if seed is not None:
         initialize_weights(model, seed)
     recomputed = RECOMPUTED.get(execution.activation_checkpointing)

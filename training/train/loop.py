@@ -157,6 +157,7 @@ def _run(
         seed=recipe.seed,
         router_aux_loss=True,
         execution=execution_of(recipe),
+        capacity_factor=recipe.moe.capacity_factor,
     )
     if resume_step is not None:
         load_weights(checkpoint_dir, resume_step, model)
@@ -184,6 +185,11 @@ def _run(
         )
     device = parallel.device()
     losses: list[float] = []
+    # the capacity dispatch's token-expert choices per step and data-parallel rank, to log the dropped fraction
+    choices_per_step = 0
+    if recipe.moe.capacity_factor is not None and model.spec.num_experts:
+        tokens = plan.accumulation * plan.micro * recipe.batch.seq_len
+        choices_per_step = tokens * model.config.experts_per_token * model.spec.num_layers
     window = _Window(time.perf_counter())
 
     def report(
@@ -192,6 +198,7 @@ def _run(
         norm_tensor: torch.Tensor,
         learning_rate: float,
         validation_tensor: torch.Tensor | None,
+        dropped_tensor: torch.Tensor | None,
     ) -> None:
         """Runs once the step's graph has run (a step closure on Neuron), so reading the values costs no graph."""
         loss = float(loss_tensor)
@@ -199,6 +206,8 @@ def _run(
         record = _metrics_record(recipe, plan, done, loss, learning_rate, float(norm_tensor), elapsed, window.steps)
         if validation_tensor is not None:
             record["validation_loss"] = round(float(validation_tensor), 6)
+        if dropped_tensor is not None:
+            record["moe_dropped"] = round(float(dropped_tensor), 6)  # fraction of the step's expert choices
         peak_flops = recipe.peak_tflops_per_worker * 1e12 * parallel.world_size()
         record["mfu"] = round(flops_per_token * record["tokens_per_second"] / peak_flops, 6)
         record.update(graph_counters())
@@ -215,12 +224,15 @@ def _run(
     try:
         for step in range(start, last):
             total = torch.zeros((), device=device)
+            dropped = torch.zeros((), device=device) if choices_per_step else None
             for micro_step in range(plan.accumulation):
                 input_ids, targets = data.batch(plan.sample_indices(step, parallel.dp_rank(), micro_step))
                 output = model(input_ids.to(device), targets.to(device))
                 assert output.loss is not None
                 (output.loss / plan.accumulation).backward()
                 total += output.loss.detach()
+                if dropped is not None and output.dropped is not None:
+                    dropped += output.dropped.detach()
                 # One graph per micro batch on Neuron: a step of N micro batches is never traced as one graph.
                 parallel.mark_step()
             learning_rate = optimizer.lr
@@ -231,8 +243,11 @@ def _run(
             validation_loss = None
             if validation is not None and (done % recipe.data.validation_every == 0 or done == last):
                 validation_loss = _validation_loss(model, validation, plan, recipe.data.validation_batches, device)
+            dropped_fraction = None if dropped is None else _data_parallel_mean(dropped / choices_per_step)
             if done % recipe.log_every == 0 or done == last or validation_loss is not None:
-                parallel.add_step_closure(report, (done, loss, grad_norm, learning_rate, validation_loss))
+                parallel.add_step_closure(
+                    report, (done, loss, grad_norm, learning_rate, validation_loss, dropped_fraction)
+                )
             parallel.mark_step()  # the optimizer step's graph; the closure runs after it
             if not options.compile_only and _checkpoint_due(recipe, done):
                 user_content = {"step": done, "consumed_samples": done * plan.global_batch}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +34,7 @@ GIB = 1024**3
 RUNTIME_RESERVE_GIB = 2.0
 REQUIRED_HEADROOM = 0.10
 KNOWN_MODELS_DIR = Path(__file__).resolve().parent / "models"
-MoeDispatch = Literal["sparse", "dense"]
+MoeDispatch = Literal["sparse", "dense", "capacity"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ class Workload:
     micro: int = 1
     seq_len: int = 2048
     accumulation: int = 1  # micro batches per step on each data-parallel rank
-    moe_dispatch: MoeDispatch = "dense"  # the Neuron backend's (static shapes)
+    moe_dispatch: MoeDispatch = "dense"  # the Neuron backend's without a capacity factor (static shapes)
+    capacity_factor: float | None = None  # the capacity dispatch's
 
 
 # --- parameters and states -------------------------------------------------------------------------------
@@ -149,10 +151,21 @@ def layer_activation_bytes(w: Workload, checkpointing: ActivationCheckpointing |
         total += tokens * (e * (activation * i * b + 4 * h + 4) + 8 * k)  # every expert on every token
         if w.sequence_parallel:
             total += tokens * h * b  # the gathered tokens
+    elif w.moe_dispatch == "capacity":
+        rows = e * expert_capacity(w)  # every expert's slots, filled or not
+        total += rows * (h * b + activation * i * b + 8)  # slot inputs, expert MLP, the slots' owners
+        total += tokens * k * (4 * h + 17) + tokens * 8  # each choice's fp32 output, index, weight; sums
     else:
         # each token's k copies, expert outputs and weighted outputs; the sort's indices and the weights
         total += tokens * k * (3 * h * b + 20 + activation * i * b)
     return total
+
+
+def expert_capacity(w: Workload) -> int:
+    """Slots per expert of the capacity dispatch: ceil(tokens x top-k x factor / experts), at most the tokens."""
+    tokens = w.micro * w.seq_len
+    factor = w.capacity_factor if w.capacity_factor is not None else w.spec.num_experts / w.experts_per_token
+    return min(tokens, math.ceil(tokens * w.experts_per_token * factor / w.spec.num_experts))
 
 
 def _balance_loss(w: Workload) -> int:
@@ -321,8 +334,16 @@ def workload_of(recipe: Recipe, config: dict[str, Any], hardware: Hardware) -> W
         micro=recipe.batch.micro,
         seq_len=recipe.batch.seq_len,
         accumulation=max(1, recipe.batch.global_batch // (recipe.batch.micro * dp)),
-        moe_dispatch="dense" if recipe.backend == "neuron" else "sparse",
+        moe_dispatch=moe_dispatch_of(recipe),
+        capacity_factor=recipe.moe.capacity_factor,
     )
+
+
+def moe_dispatch_of(recipe: Recipe) -> MoeDispatch:
+    """What the training job runs (`training.model.transformer.build_model`'s default for the recipe)."""
+    if recipe.moe.capacity_factor is not None:
+        return "capacity"
+    return "dense" if recipe.backend == "neuron" else "sparse"
 
 
 def gib(value: float) -> float:
