@@ -439,7 +439,7 @@ def test_capacity_dispatch_keeps_each_experts_first_tokens(
 ) -> None:
     config = config_of(mixtral(tmp_path / "hf", layers=1))
     model = build_model(config, seed=3, capacity_factor=capacity_factor, router_aux_loss=True)
-    moe = model.model.layers[0].mlp
+    moe = model.model.layers["0"].mlp
     x = torch.randn(40, config["hidden_size"], generator=torch.Generator().manual_seed(0))
     output, _ = moe(x)
     with torch.no_grad():

@@ -179,18 +179,21 @@ def _flatten(value: Any, prefix: str) -> dict[str, Any]:
         # the memory settings and bf16 regimes of the real recipes, at toy size
         (2, 2, ["precision=bf16-sr", "parallelism.sequence_parallel=true", "memory.activation_checkpointing=full"]),
         (1, 2, ["precision=bf16-mixed", "memory.activation_checkpointing=selective", "memory.flash_attention=true"]),
+        (1, 2, ["parallelism.pp=2"]),  # two pipeline stages
     ],
-    ids=["tp2", "tp1-dp2-zero1", "tp2-sp-full-bf16-sr", "tp1-dp2-zero1-selective-flash-bf16-mixed"],
+    ids=["tp2", "tp1-dp2-zero1", "tp2-sp-full-bf16-sr", "tp1-dp2-zero1-selective-flash-bf16-mixed", "pp2"],
 )
 def test_killed_run_resumes_to_identical_weights_and_optimizer_state(
     tp: int, processes: int, settings: list[str], llama_world: dict[str, Path], tmp_path: Path
 ) -> None:
     pretrained = llama_world["pretrained"]
-    if tp != 2:
-        pretrained = tmp_path / "pretrained-tp1"
-        convert(
-            ConvertOptions(source_format="hf", target_format="nxd", input=llama_world["hf"], output=pretrained, tp=1)
+    pp = 2 if "parallelism.pp=2" in settings else 1
+    if (tp, pp) != (2, 1):
+        pretrained = tmp_path / f"pretrained-tp{tp}-pp{pp}"
+        options = ConvertOptions(
+            source_format="hf", target_format="nxd", input=llama_world["hf"], output=pretrained, tp=tp, pp=pp
         )
+        convert(options)
     common = [f"parallelism.tp={tp}", "steps=10", "checkpoint.every=5", f"model.pretrained={pretrained}", *settings]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = torchrun("tiny-llama-cpt", world_overrides(llama_world, straight, *common), processes=processes)
@@ -263,3 +266,39 @@ def test_capacity_dispatch_logs_the_dropped_fraction(mixtral_world: dict[str, Pa
         fractions[factor] = [record["moe_dropped"] for record in metrics(checkpoints)]
     assert all(0 < fraction < 1 for fraction in fractions[0.5]), fractions
     assert fractions[2.0] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "world_fixture", "tp"),
+    [
+        ("tiny-llama-cpt", "llama_world", 1),
+        ("tiny-llama-cpt", "llama_world", 2),
+        ("tiny-mixtral-sft", "mixtral_world", 2),
+    ],
+    ids=["llama-tp1", "llama-tp2", "mixtral-tp2"],
+)
+def test_two_pipeline_stages_train_as_one(
+    recipe: str, world_fixture: str, tp: int, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """PP 2 (1F1B over 4 micro batches a step) against PP 1: the same loss and gradient norm every step, and
+    the same weights after, converted back from each run's stage files by `convert --from nxd`."""
+    world = request.getfixturevalue(world_fixture)
+    runs = {}
+    for pp in (1, 2):
+        pretrained = tmp_path / f"pretrained-pp{pp}"
+        convert(
+            ConvertOptions(source_format="hf", target_format="nxd", input=world["hf"], output=pretrained, tp=tp, pp=pp)
+        )
+        checkpoints = tmp_path / f"pp{pp}"
+        overrides = world_overrides(world, checkpoints, f"parallelism.tp={tp}", f"parallelism.pp={pp}", "steps=4")
+        result = torchrun(recipe, [*overrides, f"model.pretrained={pretrained}"], processes=tp * pp)
+        assert result.returncode == 0, result.stderr[-3000:]
+        convert(ConvertOptions(source_format="nxd", target_format="hf", input=checkpoints, output=tmp_path / f"hf{pp}"))
+        runs[pp] = metrics(checkpoints)
+    for single, staged in zip(runs[1], runs[2], strict=True):
+        assert staged["loss"] == pytest.approx(single["loss"], rel=1e-5), (single, staged)
+        assert staged["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4), (single, staged)
+    expected, actual = (AutoModelForCausalLM.from_pretrained(tmp_path / f"hf{pp}").state_dict() for pp in (1, 2))
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, rtol=1e-4, atol=1e-6, msg=name)

@@ -59,6 +59,7 @@ class DataSection(StrictModel):
 
 class ParallelismSection(StrictModel):
     tp: PositiveInt = Field(1, description="tensor-parallel degree")
+    pp: PositiveInt = Field(1, description="pipeline stages (contiguous layers each, 1F1B schedule)")
     kv_size_multiplier: PositiveInt | None = Field(
         None, description="KV head replication; omit for the smallest that fits (as `convert` chooses)"
     )

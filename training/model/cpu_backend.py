@@ -34,8 +34,10 @@ if TYPE_CHECKING:
 @dataclass
 class _State:
     tp: int
+    pp: int
     tp_group: ProcessGroup
     dp_group: ProcessGroup
+    pp_group: ProcessGroup
     owns_world: bool
     kv_groups: dict[int, ProcessGroup] = field(default_factory=dict)
 
@@ -53,7 +55,7 @@ def _launcher_store() -> tuple[Store, int, int]:
     return _store
 
 
-def initialize(tp: int, options: Mapping[str, Any]) -> None:
+def initialize(tp: int, pp: int, options: Mapping[str, Any]) -> None:
     """gloo over env:// under torchrun (RANK, WORLD_SIZE, MASTER_ADDR), else a one-process world.
 
     `options` configure neuronx-distributed's trainer; nothing here uses them."""
@@ -71,14 +73,22 @@ def initialize(tp: int, options: Mapping[str, Any]) -> None:
             store = HashStore()
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     world = dist.get_world_size()
-    if tp < 1 or world % tp:
+    if tp < 1 or pp < 1 or world % (tp * pp):
         if owns_world:
             dist.destroy_process_group()
-        raise UserError(f"tensor-parallel degree {tp} must divide the number of processes ({world})")
-    # [DP, TP] row-major, as neuronx-distributed arranges ranks: TP groups are consecutive ranks.
-    tp_group = _own_group([list(range(start, start + tp)) for start in range(0, world, tp)])
-    dp_group = _own_group([list(range(rank, world, tp)) for rank in range(tp)])
-    _state = _State(tp=tp, tp_group=tp_group, dp_group=dp_group, owns_world=owns_world)
+        degrees = f"tensor-parallel degree {tp}" + (f" x pipeline degree {pp}" if pp != 1 else "")
+        raise UserError(f"{degrees} must divide the number of processes ({world})")
+    # [PP, DP, TP] row-major, as neuronx-distributed arranges ranks: TP groups are consecutive ranks.
+    dp = world // (tp * pp)
+
+    def at(p: int, d: int, t: int) -> int:
+        return (p * dp + d) * tp + t
+
+    grid = [(p, d, t) for p in range(pp) for d in range(dp) for t in range(tp)]
+    tp_group = _own_group([[at(p, d, t) for t in range(tp)] for p, d, t in grid if t == 0])
+    dp_group = _own_group([[at(p, d, t) for d in range(dp)] for p, d, t in grid if d == 0])
+    pp_group = _own_group([[at(p, d, t) for p in range(pp)] for p, d, t in grid if p == 0])
+    _state = _State(tp=tp, pp=pp, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, owns_world=owns_world)
 
 
 def _own_group(partition: list[list[int]]) -> ProcessGroup:
@@ -99,7 +109,7 @@ def destroy() -> None:
     if _state.owns_world:
         dist.destroy_process_group()
     else:
-        for group in {_state.tp_group, _state.dp_group, *_state.kv_groups.values()}:
+        for group in {_state.tp_group, _state.dp_group, _state.pp_group, *_state.kv_groups.values()}:
             dist.destroy_process_group(group)
     _state = None
 
@@ -128,15 +138,27 @@ def tp_group() -> ProcessGroup:
 
 
 def dp_rank() -> int:
-    return dist.get_rank() // _get().tp
+    return dist.get_rank() // _get().tp % dp_size()
 
 
 def dp_size() -> int:
-    return dist.get_world_size() // _get().tp
+    return dist.get_world_size() // (_get().tp * _get().pp)
 
 
 def dp_group() -> ProcessGroup:
     return _get().dp_group
+
+
+def pp_rank() -> int:
+    return dist.get_rank() // (_get().tp * dp_size())
+
+
+def pp_size() -> int:
+    return _get().pp
+
+
+def pp_group() -> ProcessGroup:
+    return _get().pp_group
 
 
 def device() -> torch.device:

@@ -26,7 +26,7 @@ _owns_world = False
 _config: dict[str, Any] | None = None
 
 
-def initialize(tp: int, options: Mapping[str, Any]) -> None:
+def initialize(tp: int, pp: int, options: Mapping[str, Any]) -> None:
     """`init_process_group` (torchrun's env; "xla", or gloo in NxD's CPU mode), then neuronx-distributed's
     trainer configuration, whose creation initializes the model-parallel groups (TP = consecutive ranks, DP
     = the rest): once."""
@@ -39,7 +39,7 @@ def initialize(tp: int, options: Mapping[str, Any]) -> None:
             dist.init_process_group("xla")
         _owns_world = True
     trainer = importlib.import_module(TRAINER)
-    _config = trainer.neuronx_distributed_config(tensor_parallel_size=tp, **options)
+    _config = trainer.neuronx_distributed_config(tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
 
 
 def platform_target() -> str:

@@ -124,7 +124,7 @@ def neuron(
 class ParallelBackend(Protocol):
     """What a backend module provides; `training.model.cpu_backend` and `training.model.neuron_backend` conform."""
 
-    def initialize(self, tp: int, options: Mapping[str, Any]) -> None: ...
+    def initialize(self, tp: int, pp: int, options: Mapping[str, Any]) -> None: ...
     def destroy(self) -> None: ...
     def resolve(self, declaration: Declaration) -> Callable[..., Any]:
         """The implementation of a declared name (a class or a function), called as `Declaration.call` says."""
@@ -146,8 +146,11 @@ def _load(backend: Backend) -> ParallelBackend:
     return neuron_backend
 
 
-def initialize(tp: int = 1, backend: Backend = "cpu", neuron_options: Mapping[str, Any] | None = None) -> None:
-    """Start torch.distributed if needed (env:// under torchrun, a one-process world otherwise) and the groups.
+def initialize(
+    tp: int = 1, backend: Backend = "cpu", neuron_options: Mapping[str, Any] | None = None, pp: int = 1
+) -> None:
+    """Start torch.distributed if needed (env:// under torchrun, a one-process world otherwise) and the groups
+    (the world is [PP, DP, TP] row-major).
 
     `neuron_options`: keyword arguments of neuronx-distributed's `neuronx_distributed_config` besides the TP
     degree (optimizer and mixed-precision settings); that call creates the model-parallel groups, once.
@@ -158,7 +161,7 @@ def initialize(tp: int = 1, backend: Backend = "cpu", neuron_options: Mapping[st
     if _active is not None:
         raise RuntimeError(f"the {_active_name} parallel backend is already initialized; call destroy() first")
     implementation = _load(backend)
-    implementation.initialize(tp, dict(neuron_options or {}))
+    implementation.initialize(tp, pp, dict(neuron_options or {}))
     _active, _active_name = implementation, backend
 
 
@@ -216,17 +219,32 @@ def tp_group() -> ProcessGroup:
 
 @neuron(PARALLEL_STATE, "get_data_parallel_rank")
 def dp_rank() -> int:
-    """This process's rank in its DP group (global rank divided by `tp`)."""
+    """This process's rank in its DP group (global rank divided by `tp`, modulo the DP degree)."""
 
 
 @neuron(PARALLEL_STATE, "get_data_parallel_size")
 def dp_size() -> int:
-    """The data-parallel degree (world size divided by `tp`)."""
+    """The data-parallel degree (world size divided by `tp x pp`)."""
 
 
 @neuron(PARALLEL_STATE, "get_data_parallel_group")
 def dp_group() -> ProcessGroup:
     """The ranks with this process's TP rank, `tp` apart: the replicas of its shards."""
+
+
+@neuron(PARALLEL_STATE, "get_pipeline_model_parallel_rank")
+def pp_rank() -> int:
+    """This process's pipeline stage (global rank divided by tp x dp)."""
+
+
+@neuron(PARALLEL_STATE, "get_pipeline_model_parallel_size")
+def pp_size() -> int:
+    """The number of pipeline stages."""
+
+
+@neuron(PARALLEL_STATE, "get_pipeline_model_parallel_group")
+def pp_group() -> ProcessGroup:
+    """The ranks with this process's TP and DP ranks, one per stage, `tp x dp` apart."""
 
 
 @neuron(NXD_UTILS, "get_device")

@@ -455,9 +455,11 @@ class MoE(nn.Module):
         return partial.to(local.dtype)
 
 
-def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
-    """Switch-Transformer balance loss over all layers' tokens, as transformers' Mixtral computes it:
-    E * sum_e (fraction of top-k choices going to e) * (mean router probability of e)."""
+def balance_sums(
+    router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top-k choices per expert, router probability per expert, rows) summed over layers and tokens: what the
+    balance loss needs, additive over layers, so pipeline stages pass their running sums on."""
     chosen = torch.zeros(num_experts, device=router_logits[0].device)
     probability = torch.zeros(num_experts, device=router_logits[0].device)
     rows = 0
@@ -467,7 +469,45 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int,
         chosen = chosen + F.one_hot(picks, num_experts).sum(dim=(0, 1)).float()
         probability = probability + probabilities.float().sum(dim=0)
         rows += logits.shape[0]
-    return num_experts * torch.sum((chosen / rows) * (probability / rows))
+    return chosen, probability, torch.tensor(float(rows), device=chosen.device)
+
+
+def balance_loss(chosen: torch.Tensor, probability: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Switch-Transformer balance loss, as transformers' Mixtral computes it:
+    E * sum_e (fraction of top-k choices going to e) * (mean router probability of e)."""
+    return chosen.shape[0] * torch.sum((chosen / rows) * (probability / rows))
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    return balance_loss(*balance_sums(router_logits, num_experts, top_k))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """This rank's pipeline stage: which layers it holds (contiguous, as the converter splits them)."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def layers(self, total: int) -> range:
+        per_stage = total // self.count
+        return range(self.index * per_stage, (self.index + 1) * per_stage)
+
+
+@dataclass
+class StageCarry:
+    """What a pipeline stage hands the next: the hidden states and the balance loss's running sums."""
+
+    hidden: torch.Tensor
+    balance: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # chosen, probability, rows
 
 
 class DecoderLayer(nn.Module):
@@ -501,6 +541,9 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
+    """The layers of this rank's stage (all of them without pipeline parallelism), under their global indices;
+    the embedding on the first stage, the final norm on the last."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -508,43 +551,52 @@ class Decoder(nn.Module):
         dispatch: MoeDispatch,
         execution: Execution,
         capacity_factor: float | None = None,
+        stage: Stage = Stage(),
     ) -> None:
         super().__init__()
         spec = config.spec
-        self.execution, self.sliding_window = execution, config.sliding_window
-        self.embed_tokens = parallel.ParallelEmbedding(
-            spec.vocab_size,
-            spec.hidden_size,
-            padding_idx=config.pad_token_id,
-            dtype=config.dtype,
-            sequence_parallel_enabled=execution.sequence_parallel,
+        self.execution, self.sliding_window, self.tp = execution, config.sliding_window, parallelism.tp
+        if stage.first:
+            self.embed_tokens = parallel.ParallelEmbedding(
+                spec.vocab_size,
+                spec.hidden_size,
+                padding_idx=config.pad_token_id,
+                dtype=config.dtype,
+                sequence_parallel_enabled=execution.sequence_parallel,
+            )
+        self.layers = nn.ModuleDict(
+            {
+                str(index): DecoderLayer(config, parallelism, dispatch, execution, capacity_factor)
+                for index in stage.layers(spec.num_layers)
+            }
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, parallelism, dispatch, execution, capacity_factor) for _ in range(spec.num_layers)
-        )
-        self.norm = RMSNorm(
-            spec.hidden_size, config.rms_norm_eps, config.dtype, sequence_parallel=execution.sequence_parallel
-        )
+        if stage.last:
+            self.norm = RMSNorm(
+                spec.hidden_size, config.rms_norm_eps, config.dtype, sequence_parallel=execution.sequence_parallel
+            )
         frequencies = inverse_frequencies(config.rope, spec.head_dim)
         self.rope_frequencies: torch.Tensor
         self.register_buffer("rope_frequencies", frequencies, persistent=False)  # not part of the layout
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Hidden states [B, S, H] (sequence parallel: [S/tp, B, H]) and each MoE layer's router logits."""
-        x = self.embed_tokens(input_ids)
-        length = input_ids.shape[1]
-        positions = torch.arange(length, device=input_ids.device, dtype=torch.float32)
+    def sequence_length(self, hidden: torch.Tensor) -> int:
+        return hidden.shape[0] * self.tp if self.execution.sequence_parallel else hidden.shape[1]
+
+    def run_layers(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """This stage's layers on hidden states [B, S, H] (sequence parallel: [S/tp, B, H]); also returns each
+        MoE layer's router logits."""
+        length = self.sequence_length(x)
+        positions = torch.arange(length, device=x.device, dtype=torch.float32)
         angles = positions[:, None] * self.rope_frequencies.float()[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         # one mask for all layers (flash attention needs none)
         mask = None if self.execution.flash_attention else attention_mask(length, self.sliding_window, x.device)
         router_logits = []
-        for layer in self.layers:
+        for layer in self.layers.values():
             x, logits = layer(x, cos, sin, mask)
             if logits is not None:
                 router_logits.append(logits)
-        return self.norm(x), router_logits
+        return x, router_logits
 
 
 @dataclass
@@ -565,23 +617,27 @@ class CausalLM(nn.Module):
         router_aux_loss: bool,
         execution: Execution = Execution(),
         capacity_factor: float | None = None,
+        stage: Stage = Stage(),
     ) -> None:
         super().__init__()
         self.config, self.parallelism, self.router_aux_loss = config, parallelism, router_aux_loss
-        self.execution = execution
+        self.execution, self.stage = execution, stage
         spec = config.spec
-        self.model = Decoder(config, parallelism, dispatch, execution, capacity_factor)
-        self.lm_head = parallel.ColumnParallelLinear(
-            spec.hidden_size,
-            spec.vocab_size,
-            bias=False,
-            gather_output=False,
-            dtype=config.dtype,
-            sequence_parallel_enabled=execution.sequence_parallel,
-            sequence_dimension=0 if execution.sequence_parallel else None,
-        )
+        self.model = Decoder(config, parallelism, dispatch, execution, capacity_factor, stage)
+        if stage.last:
+            self.lm_head = parallel.ColumnParallelLinear(
+                spec.hidden_size,
+                spec.vocab_size,
+                bias=False,
+                gather_output=False,
+                dtype=config.dtype,
+                sequence_parallel_enabled=execution.sequence_parallel,
+                sequence_dimension=0 if execution.sequence_parallel else None,
+            )
         self.tie_weights()
-        expected = {rule.target for rules in all_rules(spec, parallelism, "nxd") for rule in rules}
+        expected = {
+            rule.target for rules in all_rules(spec, parallelism, "nxd") for rule in rules if rule.stage == stage.index
+        }
         if set(self.state_dict()) != expected:
             raise AssertionError(f"model parameters differ from the nxd layout: {set(self.state_dict()) ^ expected}")
 
@@ -592,20 +648,37 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Head and embedding as one parameter when the config ties them (both are split on the vocabulary rows
         the same way, so each rank shares its shard)."""
-        if self.spec.tie_word_embeddings:
+        if self.spec.tie_word_embeddings and self.stage.first and self.stage.last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
         """`labels[t]` is the target of position t (already shifted); -100 marks positions without one."""
-        hidden, router_logits = self.model(input_ids)
-        logits = self.lm_head(hidden)
+        output = self.forward_stage(input_ids, labels)
+        assert isinstance(output, CausalLMOutput), "forward() runs the whole model: use forward_stage per stage"
+        return output
+
+    def forward_stage(
+        self, inputs: torch.Tensor | StageCarry, labels: torch.Tensor | None = None
+    ) -> CausalLMOutput | StageCarry:
+        """This stage's part of the forward pass: token ids on the first stage, the previous stage's carry on
+        the others; the carry for the next stage, or the output on the last."""
+        if self.stage.first:
+            assert isinstance(inputs, torch.Tensor)
+            hidden, balance = self.model.embed_tokens(inputs), None
+        else:
+            assert isinstance(inputs, StageCarry)
+            hidden, balance = inputs.hidden, inputs.balance
+        hidden, router_logits = self.model.run_layers(hidden)
+        if router_logits and self.router_aux_loss:
+            sums = balance_sums(router_logits, self.spec.num_experts, self.config.experts_per_token)
+            balance = sums if balance is None else (balance[0] + sums[0], balance[1] + sums[1], balance[2] + sums[2])
+        if not self.stage.last:
+            return StageCarry(hidden, balance)
+        logits = self.lm_head(self.model.norm(hidden))
         if self.execution.sequence_parallel:
             logits = logits.transpose(0, 1)  # [S, B, V/tp] -> [B, S, V/tp], as the labels
         logits = logits.float()
-        aux_loss = None
-        if router_logits and self.router_aux_loss:
-            balance = load_balancing_loss(router_logits, self.spec.num_experts, self.config.experts_per_token)
-            aux_loss = self.config.router_aux_loss_coef * balance
+        aux_loss = None if balance is None else self.config.router_aux_loss_coef * balance_loss(*balance)
         loss = None
         if labels is not None:
             losses = parallel.parallel_cross_entropy(logits, labels)
@@ -646,9 +719,16 @@ def build_model(
     execution: sequence parallelism, activation checkpointing, flash attention (see `Execution`).
     """
     model_config = ModelConfig.from_hf(config, dtype)
-    spec, tp = model_config.spec, parallel.tp_size()
-    parallelism = Parallelism(tp=tp, kv_multiplier=kv_multiplier or default_kv_multiplier(spec, tp), fuse_qkv=fuse_qkv)
+    spec, tp, pp = model_config.spec, parallel.tp_size(), parallel.pp_size()
+    multiplier = kv_multiplier or default_kv_multiplier(spec, tp)
+    parallelism = Parallelism(tp=tp, pp=pp, kv_multiplier=multiplier, fuse_qkv=fuse_qkv)
     check_parallelism(spec, parallelism, "nxd")
+    if pp > 1 and spec.tie_word_embeddings:
+        raise UserError(
+            "parallelism.pp: tied embeddings (tie_word_embeddings: true) are not supported with pipeline stages; "
+            "allowed: pp 1 for this model"
+        )
+    stage = Stage(parallel.pp_rank(), pp)
     default: MoeDispatch = "dense" if parallel.backend() == "neuron" else "sparse"
     dispatch: MoeDispatch = moe_dispatch or ("capacity" if capacity_factor is not None else default)
     aux = model_config.output_router_logits if router_aux_loss is None else router_aux_loss
@@ -659,6 +739,7 @@ def build_model(
         router_aux_loss=aux,
         execution=execution,
         capacity_factor=capacity_factor,
+        stage=stage,
     )
     if seed is not None:
         initialize_weights(model, seed)
@@ -700,6 +781,8 @@ def initialize_weights(model: CausalLM, seed: int) -> None:
     with torch.no_grad():
         for rules in all_rules(spec, model.parallelism, "nxd"):
             for rule in rules:
+                if rule.stage != model.stage.index:
+                    continue
                 sources = [initial_tensor(n, shapes[n], seed, model.config.initializer_range) for n in rule.sources]
                 if padding is not None and rule.sources == ("model.embed_tokens.weight",):
                     sources[0][padding] = 0  # as transformers initialises nn.Embedding(padding_idx=...)

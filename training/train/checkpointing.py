@@ -90,13 +90,13 @@ def save_checkpoint(
         # NxD saves no random generator state; ours goes beside its files (read back by load_training_state).
         _save_atomically(_rng_state(), target / "rng" / f"rank_{parallel.world_rank():05d}.pt")
         return target
-    rank, tp, dp = parallel.world_rank(), parallel.tp_rank(), parallel.dp_rank()
+    rank, tp, dp, pp = parallel.world_rank(), parallel.tp_rank(), parallel.dp_rank(), parallel.pp_rank()
     if rank == 0 and target.exists():
         shutil.rmtree(target)  # left by a run killed while saving this step: never marked done
     _barrier()
     if dp == 0:
-        _save_atomically(model.state_dict(), nxd_rank_file(target, tp, 0))
-    _save_atomically(optimizer.state_dict(), target / "optim" / f"dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_00.pt")
+        _save_atomically(model.state_dict(), nxd_rank_file(target, tp, pp))
+    _save_atomically(optimizer.state_dict(), _optimizer_file(target))
     _save_atomically(_rng_state(), target / "rng" / f"rank_{rank:05d}.pt")
     if rank == 0:
         _save_atomically(optimizer.scheduler.state_dict(), target / "scheduler.pt")
@@ -131,7 +131,12 @@ def load_weights(directory: Path, step: int, model: CausalLM) -> None:
 
         nxd_load(str(directory), tag=target.name, model=model, strict=True)
         return
-    model.load_state_dict(torch.load(nxd_rank_file(target, parallel.tp_rank(), 0), weights_only=True))
+    model.load_state_dict(torch.load(nxd_rank_file(target, parallel.tp_rank(), parallel.pp_rank()), weights_only=True))
+
+
+def _optimizer_file(target: Path) -> Path:
+    dp, tp, pp = parallel.dp_rank(), parallel.tp_rank(), parallel.pp_rank()
+    return target / "optim" / f"dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
 
 
 def load_training_state(directory: Path, step: int, optimizer: TrainingOptimizer) -> dict[str, Any]:
@@ -145,10 +150,7 @@ def load_training_state(directory: Path, step: int, optimizer: TrainingOptimizer
             nxd_load(str(directory), tag=target.name, optimizer=optimizer.inner, scheduler=optimizer.scheduler) or {}
         )
     else:
-        optim_file = (
-            target / "optim" / f"dp_rank_{parallel.dp_rank():02d}_tp_rank_{parallel.tp_rank():02d}_pp_rank_00.pt"
-        )
-        optimizer.load_state_dict(torch.load(optim_file, weights_only=True))
+        optimizer.load_state_dict(torch.load(_optimizer_file(target), weights_only=True))
         optimizer.scheduler.load_state_dict(torch.load(target / "scheduler.pt", weights_only=True))
         content = dict(torch.load(target / "user_content.pt", weights_only=True))
     rng_file = target / "rng" / f"rank_{parallel.world_rank():05d}.pt"
@@ -167,7 +169,7 @@ def load_pretrained(directory: Path, config_path: Path, model: CausalLM) -> None
     describe = "tp {0.tp}, pp {0.pp}, kv_size_multiplier {0.kv_multiplier}, fuse_qkv {0.fuse_qkv}".format
     if (found.tp, found.pp, found.kv_multiplier, found.fuse_qkv) != (
         wanted.tp,
-        1,
+        wanted.pp,
         wanted.kv_multiplier,
         wanted.fuse_qkv,
     ):
@@ -175,7 +177,7 @@ def load_pretrained(directory: Path, config_path: Path, model: CausalLM) -> None
             f"model.pretrained {directory}: written for {describe(found)}; the recipe trains at {describe(wanted)}: "
             "convert again with those options"
         )
-    tensors = source.ranks[(parallel.tp_rank(), 0)]
+    tensors = source.ranks[(parallel.tp_rank(), parallel.pp_rank())]
     state = model.state_dict()
     missing = set(state) - set(tensors)
     if missing:

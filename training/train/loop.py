@@ -27,7 +27,8 @@ from training.config.recipe import Recipe, recipe_as_dict
 from training.errors import UserError
 from training.formats.hf import copy_companions, read_config
 from training.model import parallel
-from training.model.transformer import Execution, build_model, model_flops_per_token
+from training.model.transformer import CausalLM, Execution, build_model, model_flops_per_token
+from training.train import stages
 from training.train.checkpointing import (
     latest_complete_step,
     load_pretrained,
@@ -59,11 +60,20 @@ def check_model_fits(recipe: Recipe, spec: ModelSpec) -> Parallelism:
     """The TP layout the recipe asks for, or one line saying why it cannot be (before any process group)."""
     wanted = recipe.parallelism
     multiplier = wanted.kv_size_multiplier or default_kv_multiplier(spec, wanted.tp)
-    parallelism = Parallelism(tp=wanted.tp, kv_multiplier=multiplier, fuse_qkv=wanted.fuse_qkv)
+    parallelism = Parallelism(tp=wanted.tp, pp=wanted.pp, kv_multiplier=multiplier, fuse_qkv=wanted.fuse_qkv)
     try:
         check_parallelism(spec, parallelism, "nxd")
     except UserError as error:
-        raise UserError(f"parallelism.tp {wanted.tp}: {error}") from None
+        which = f"parallelism.pp {wanted.pp}" if spec.num_layers % wanted.pp else f"parallelism.tp {wanted.tp}"
+        raise UserError(f"{which}: {error}") from None
+    if wanted.pp > 1 and recipe.backend == "neuron":
+        raise UserError(
+            not_allowed(
+                "parallelism.pp",
+                wanted.pp,
+                "1 on backend neuron for now (pipeline stages run on the cpu backend; NxDPPModel is not wired yet)",
+            )
+        )
     if recipe.backend == "neuron" and multiplier > 1:
         from training.model.neuron_backend import platform_target
 
@@ -117,18 +127,24 @@ def train(options: TrainOptions) -> dict[str, Any]:
         else None
     )
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % recipe.parallelism.tp:
-        raise UserError(
-            f"parallelism.tp {recipe.parallelism.tp} does not divide the {world} launched processes "
-            "(launch a multiple of tp with torchrun --nproc_per_node)"
+    model_parallel = recipe.parallelism.tp * recipe.parallelism.pp
+    if world % model_parallel:
+        degrees = f"parallelism.tp {recipe.parallelism.tp}" + (
+            f" x parallelism.pp {recipe.parallelism.pp}" if recipe.parallelism.pp > 1 else ""
         )
-    plan = BatchPlan(recipe.batch.global_batch, recipe.batch.micro, world // recipe.parallelism.tp)
+        raise UserError(
+            f"{degrees} does not divide the {world} launched processes "
+            "(launch a multiple of tp x pp with torchrun --nproc_per_node)"
+        )
+    plan = BatchPlan(recipe.batch.global_batch, recipe.batch.micro, world // model_parallel)
     plan.check()
 
     neuron_options = neuron_trainer_options(
         recipe.optimizer, precision=recipe.precision, sequence_parallel=recipe.parallelism.sequence_parallel
     )
-    parallel.initialize(tp=recipe.parallelism.tp, backend=recipe.backend, neuron_options=neuron_options)
+    parallel.initialize(
+        tp=recipe.parallelism.tp, backend=recipe.backend, neuron_options=neuron_options, pp=recipe.parallelism.pp
+    )
     try:
         return _run(options, config, config_path, parallelism, plan, data, validation)
     finally:
@@ -184,6 +200,7 @@ def _run(
             + (f", resumed from step {start}" if resume_step is not None else "")
         )
     device = parallel.device()
+    carry = stages.carry_shape(model, plan.micro, recipe.batch.seq_len)
     losses: list[float] = []
     # the capacity dispatch's token-expert choices per step and data-parallel rank, to log the dropped fraction
     choices_per_step = 0
@@ -225,7 +242,16 @@ def _run(
         for step in range(start, last):
             total = torch.zeros((), device=device)
             dropped = torch.zeros((), device=device) if choices_per_step else None
-            for micro_step in range(plan.accumulation):
+            if parallel.pp_size() > 1:
+                batches = [
+                    data.batch(plan.sample_indices(step, parallel.dp_rank(), micro_step))
+                    for micro_step in range(plan.accumulation)
+                ]
+                result = stages.train_step(model, batches, carry)
+                total = stages.from_last_stage(result.loss_sum)
+                if dropped is not None and result.dropped is not None:
+                    dropped = stages.over_stages(result.dropped)
+            for micro_step in range(plan.accumulation if parallel.pp_size() == 1 else 0):
                 input_ids, targets = data.batch(plan.sample_indices(step, parallel.dp_rank(), micro_step))
                 output = model(input_ids.to(device), targets.to(device))
                 assert output.loss is not None
@@ -242,7 +268,9 @@ def _run(
             window.steps += 1
             validation_loss = None
             if validation is not None and (done % recipe.data.validation_every == 0 or done == last):
-                validation_loss = _validation_loss(model, validation, plan, recipe.data.validation_batches, device)
+                validation_loss = _validation_loss(
+                    model, validation, plan, recipe.data.validation_batches, device, carry
+                )
             dropped_fraction = None if dropped is None else _data_parallel_mean(dropped / choices_per_step)
             if done % recipe.log_every == 0 or done == last or validation_loss is not None:
                 parallel.add_step_closure(
@@ -271,15 +299,26 @@ def _run(
 
 
 def _validation_loss(
-    model: torch.nn.Module, validation: TrainingData, plan: BatchPlan, batches: int, device: torch.device
+    model: CausalLM,
+    validation: TrainingData,
+    plan: BatchPlan,
+    batches: int,
+    device: torch.device,
+    carry: stages.CarryShape,
 ) -> torch.Tensor:
     """The language-model loss (no router loss) over the first `batches` micro batches per data-parallel rank
     of the validation split: the same blocks every time, so the values compare across steps."""
+    blocks = [
+        range((b * plan.dp + parallel.dp_rank()) * plan.micro, (b * plan.dp + parallel.dp_rank() + 1) * plan.micro)
+        for b in range(batches)
+    ]
+    if parallel.pp_size() > 1:
+        total = stages.from_last_stage(stages.forward_only(model, [validation.batch(b) for b in blocks], carry))
+        return _data_parallel_mean(total / batches)
     total = torch.zeros((), device=device)
     with torch.no_grad():
-        for batch in range(batches):
-            start = (batch * plan.dp + parallel.dp_rank()) * plan.micro
-            input_ids, targets = validation.batch(range(start, start + plan.micro))
+        for block in blocks:
+            input_ids, targets = validation.batch(block)
             output = model(input_ids.to(device), targets.to(device))
             assert output.loss is not None
             total += output.loss - output.aux_loss if output.aux_loss is not None else output.loss

@@ -182,7 +182,10 @@ class TrainingOptimizer:
         sharded = squares(self._sharded)
         if parallel.tp_size() > 1:
             dist.all_reduce(sharded, group=parallel.tp_group())
-        norm = float((sharded + squares(self._replicated)).sqrt())
+        stage = sharded + squares(self._replicated)
+        if parallel.pp_size() > 1:  # every stage holds other parameters
+            dist.all_reduce(stage, group=parallel.pp_group())
+        norm = float(stage.sqrt())
         if self.settings.grad_clip > 0 and norm > self.settings.grad_clip:
             scale = self.settings.grad_clip / (norm + 1e-6)
             for parameter in self._sharded + self._replicated:
