@@ -49,6 +49,7 @@ def train(
         f"data.path={world['data']}",
         f"checkpoint.dir={checkpoints}",
         "parallelism.tp=1",
+        "parallelism.pp=1",  # the tiny Mixtral recipe has two stages, which run on the cpu backend only
         f"steps={STEPS}",
         f"checkpoint.every={CHECKPOINT_EVERY}",
         "checkpoint.keep_last=3",

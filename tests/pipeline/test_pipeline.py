@@ -203,12 +203,14 @@ def test_training_over_two_nodes_matches_one_node(
         torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize(("name", "recipe"), [("llama", "tiny-llama-cpt"), ("mixtral", "tiny-mixtral-sft")])
 def test_killed_training_job_is_requeued_and_ends_with_identical_weights(
-    reference_runs: dict[str, Path], sources: dict[str, dict[str, Path]], site: Site
+    name: str, recipe: str, reference_runs: dict[str, Path], sources: dict[str, dict[str, Path]], site: Site
 ) -> None:
+    """Llama at TP 2 on one node; Mixtral in two pipeline stages on two nodes."""
     os.environ[KILL_AT_STEP] = "7"  # sbatch exports the environment: rank 0 SIGKILLs itself after step 7, once
     try:
-        run_dir = run("tiny-llama-cpt", sources["llama"], site, "llama-killed", "steps=10", "checkpoint.every=5")
+        run_dir = run(recipe, sources[name], site, f"{name}-killed", "steps=10", "checkpoint.every=5")
     finally:
         del os.environ[KILL_AT_STEP]
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
@@ -217,7 +219,9 @@ def test_killed_training_job_is_requeued_and_ends_with_identical_weights(
     log = (run_dir / "logs" / f"train-{job}.out").read_text()
     assert "fault injection: rank 0 kills itself after step 7" in log and "requeued to resume" in log
     assert "resumed from step 5" in log
-    expected = model_tensors(reference_runs["llama"] / "checkpoints" / "step_10")
+    if name == "mixtral":
+        assert "#SBATCH --nodes=2" in (run_dir / "jobs" / "train.sbatch").read_text()
+    expected = model_tensors(reference_runs[name] / "checkpoints" / "step_10")
     actual = model_tensors(run_dir / "checkpoints" / "step_10")
     assert expected.keys() == actual.keys()
     assert all(torch.equal(value, actual[key]) for key, value in expected.items())

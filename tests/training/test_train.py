@@ -32,7 +32,7 @@ def llama_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def mixtral_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory.mktemp("tiny-mixtral"), "mixtral", tp=2)
+    return build_tiny_world(tmp_path_factory.mktemp("tiny-mixtral"), "mixtral", tp=1, pp=2)  # as the recipe
 
 
 def world_overrides(world: dict[str, Path], checkpoints: Path, *extra: str) -> list[str]:

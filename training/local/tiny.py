@@ -124,9 +124,9 @@ def make_tiny_sources(root: Path, architecture: str, *, documents: int = 400) ->
     return {"tokenizer": tokenizer, "hf": hf, "source": data}
 
 
-def build_tiny_world(root: Path, architecture: str, *, tp: int, seq_len: int = 64) -> dict[str, Path]:
+def build_tiny_world(root: Path, architecture: str, *, tp: int, pp: int = 1, seq_len: int = 64) -> dict[str, Path]:
     """The tiny sources plus what the pipeline's first stages make of them: prepared `data` and the
-    `pretrained_weight` (nxd at `tp`) written by the converter."""
+    `pretrained_weight` (nxd at `tp` x `pp`) written by the converter."""
     from training.data.prepare import PretrainOptions, SftOptions, prepare_pretrain, prepare_sft
     from training.formats.convert import ConvertOptions, convert
 
@@ -137,5 +137,5 @@ def build_tiny_world(root: Path, architecture: str, *, tp: int, seq_len: int = 6
     else:
         prepare_sft(SftOptions(source=source, tokenizer=tokenizer, seq_len=seq_len, out=data))
     pretrained = root / "pretrained_weight"
-    convert(ConvertOptions(source_format="hf", target_format="nxd", input=world["hf"], output=pretrained, tp=tp))
+    convert(ConvertOptions(source_format="hf", target_format="nxd", input=world["hf"], output=pretrained, tp=tp, pp=pp))
     return {**world, "data": data, "pretrained": pretrained}

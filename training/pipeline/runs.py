@@ -129,6 +129,8 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
             f"--output {run}/pretrained_weight",
             f"--tp {parallelism['tp']}",
         ]
+        if parallelism.get("pp", 1) > 1:
+            arguments.append(f"--pp {parallelism['pp']}")
         if parallelism.get("kv_size_multiplier"):
             arguments.append(f"--kv-size-multiplier {parallelism['kv_size_multiplier']}")
         if parallelism.get("fuse_qkv"):
@@ -147,6 +149,13 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
 
 def _python(site: Site) -> str:
     return site.python or sys.executable
+
+
+def processes_per_node(recipe: Recipe) -> int:
+    """Without a site setting: the model-parallel ranks (TP x PP) spread evenly over the recipe's nodes, else
+    one TP group a node."""
+    model_parallel = recipe.parallelism.tp * recipe.parallelism.pp
+    return model_parallel // recipe.nodes if model_parallel % recipe.nodes == 0 else recipe.parallelism.tp
 
 
 def render(plan: RunPlan) -> dict[str, str]:
@@ -181,7 +190,7 @@ def render(plan: RunPlan) -> dict[str, str]:
         }
         if stage.distributed:
             context |= {
-                "processes_per_node": site.processes_per_node or recipe.parallelism.tp,
+                "processes_per_node": site.processes_per_node or processes_per_node(recipe),
                 "launcher": f"{os.path.dirname(python)}/neuron_parallel_compile "
                 if stage.name == "compile" and site.neuron
                 else "",

@@ -375,7 +375,12 @@ def graph_counters() -> dict[str, int]:
     (a step that compiles after the first two is a recompilation: each costs minutes on Trainium)."""
     if parallel.backend() != "neuron":
         return {}
+    import torch_xla.core.xla_model as xla_model
     import torch_xla.debug.metrics as xla_metrics
+
+    # Executions are counted when they finish, and graphs run asynchronously: wait for the step's last one
+    # (the values read before this may come from an earlier graph), or a busy host would see it in the next step.
+    xla_model.wait_device_ops()
 
     def count(name: str) -> int:
         data = xla_metrics.metric_data(name)

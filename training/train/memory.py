@@ -313,17 +313,19 @@ def known_models() -> list[str]:
 
 def workload_of(recipe: Recipe, config: dict[str, Any], hardware: Hardware) -> Workload:
     spec = ModelSpec.from_config(config)
-    tp = recipe.parallelism.tp
+    tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
     cores = recipe.nodes * hardware.cores_per_node
-    if cores % tp:
+    if cores % (tp * pp):
         raise UserError(
-            f"parallelism.tp {tp} does not divide the {cores} NeuronCores of {recipe.nodes} x {hardware.name}"
+            f"parallelism.tp {tp} x parallelism.pp {pp} does not divide the {cores} NeuronCores of "
+            f"{recipe.nodes} x {hardware.name}"
         )
-    dp = cores // tp
+    dp = cores // (tp * pp)
     return Workload(
         spec=spec,
         experts_per_token=int(config.get("num_experts_per_tok", 2)),
         tp=tp,
+        pp=pp,
         dp=dp,
         kv_multiplier=recipe.parallelism.kv_size_multiplier or default_kv_multiplier(spec, tp),
         sequence_parallel=recipe.parallelism.sequence_parallel,
@@ -371,7 +373,10 @@ def refusal(recipe: Recipe, hardware: Hardware) -> str | None:
 def describe_fix(fix: Fix) -> str:
     if fix.plan is None:
         tried = " ".join(fix.overrides) or "nothing"
-        return f"nothing this recipe can set fits ({tried} still does not; pipeline parallelism is not available yet)"
+        return (
+            f"nothing this recipe can set fits ({tried} still does not; pipeline parallelism does not run on "
+            "Neuron yet)"
+        )
     return f"cheapest fix: {' '.join(fix.overrides)} ({gib(fix.plan.total)} GiB, {fix.plan.headroom:.0%} headroom)"
 
 
