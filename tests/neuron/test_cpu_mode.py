@@ -5,16 +5,13 @@ XLA:CPU cannot check this: its collectives across processes are no-ops."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.training.workers import run_workers
 from training.formats.convert import ConvertOptions, convert
 from training.formats.hf import read_config
 from training.formats.layouts import ModelSpec, Parallelism, replicated_targets
@@ -61,12 +58,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
                     }
                 )
     for case in plan:  # one torchrun a case: each initializes its own process group from torchrun's store
-        (root / f"{case['name']}.json").write_text(json.dumps([case]))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={TP}"]
-        command += [str(WORKER), "--plan", str(root / f"{case['name']}.json"), "--out", str(root / "results")]
-        environ = {**os.environ, "NXD_CPU_MODE": "1"}
-        done = subprocess.run(command, capture_output=True, text=True, env=environ, timeout=600, check=False)
-        assert done.returncode == 0, done.stderr[-4000:]
+        run_workers(WORKER, [case], root, TP, timeout=600, environment={"NXD_CPU_MODE": "1"})
     return {
         case["name"]: [
             torch.load(root / "results" / case["name"] / f"rank_{r:02d}.pt", weights_only=False) for r in range(TP)

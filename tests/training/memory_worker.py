@@ -7,7 +7,6 @@ parameters the rank holds and the bytes autograd keeps for backward.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from tests.support.saved_tensors import saved_for_backward
+from tests.training.workers import worker_main
 from training.model import parallel
 from training.model.transformer import Execution, build_model
 
@@ -50,12 +50,7 @@ def run_case(case: dict[str, Any], out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plan", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    arguments = parser.parse_args()
-    for case in json.loads(arguments.plan.read_text()):
-        run_case(case, arguments.out)
+    worker_main(run_case)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@ state dict after loading and the state dict of a freshly seeded model.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tests.training.workers import worker_main
 from training.config.recipe import OptimizerSection
 from training.model import parallel
 from training.model.transformer import Execution, build_model, gather_logits
@@ -73,13 +73,8 @@ def run_case(case: dict[str, Any], out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plan", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
     torch.manual_seed(0)
-    for case in json.loads(args.plan.read_text()):
-        run_case(case, args.out)
+    worker_main(run_case)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
+from tests.training.workers import LOCAL, run_workers
 from training.cli import main
 from training.config.model import ModelSpec, default_kv_multiplier
 from training.config.recipe import load_recipe
@@ -121,16 +121,9 @@ def cases() -> list[dict[str, Any]]:
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("memory")
     plan = cases()
-    (root / "plan.json").write_text(json.dumps(plan))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
-    command += [str(WORKER), "--plan", str(root / "plan.json"), "--out", str(root / "results")]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    finished = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=900)
-    assert finished.returncode == 0, finished.stderr[-4000:]
+    results = run_workers(WORKER, plan, root, WORLD, timeout=900, environment=LOCAL)
     return {
-        case["name"]: [
-            json.loads((root / "results" / case["name"] / f"rank_{r:02d}.json").read_text()) for r in range(WORLD)
-        ]
+        case["name"]: [json.loads((results / case["name"] / f"rank_{r:02d}.json").read_text()) for r in range(WORLD)]
         for case in plan
     }
 

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tests.conftest import ROOT
 from tests.training.tiny_models import LLAMA3_ROPE_SCALING, llama, mixtral
+from tests.training.workers import LOCAL, run_workers
 from training.errors import UserError
 from training.formats.convert import ConvertOptions, convert
 from training.formats.layouts import ModelSpec, Parallelism, all_rules, default_kv_multiplier, hf_shapes
@@ -311,14 +308,9 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         torch.save(state, swapped / "model" / f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_00.pt")
     plan.append({"name": SWAPPED, "checkpoint": str(swapped), "tp": 4, "batches": batches(4), "kv_multiplier": 2})
 
-    (root / "plan.json").write_text(json.dumps(plan))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
-    command += [str(WORKER), "--plan", str(root / "plan.json"), "--out", str(root / "results")]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    finished = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600)
-    assert finished.returncode == 0, finished.stderr[-4000:]
+    results = run_workers(WORKER, plan, root, WORLD, timeout=600, environment=LOCAL)
     for name in [*TP_CASES, SWAPPED]:
-        ranks = [torch.load(root / "results" / name / f"rank_{r:02d}.pt", weights_only=True) for r in range(WORLD)]
+        ranks = [torch.load(results / name / f"rank_{r:02d}.pt", weights_only=True) for r in range(WORLD)]
         cases.setdefault(name, {})["ranks"] = ranks
     return cases
 

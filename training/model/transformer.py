@@ -130,6 +130,18 @@ class Execution:
     flash_attention: bool = False
 
 
+@dataclass(frozen=True)
+class Experts:
+    """How Mixtral's MoE block runs its experts (see `MoE`); the parameters are the same for every choice."""
+
+    dispatch: MoeDispatch = "sparse"
+    capacity_factor: float | None = None  # the capacity dispatch's
+
+    def __post_init__(self) -> None:
+        if self.dispatch == "capacity" and self.capacity_factor is None:
+            raise ValueError("the capacity dispatch needs a capacity_factor")
+
+
 def inverse_frequencies(rope: Rope, head_dim: int) -> torch.Tensor:
     """RoPE frequencies (fp32); "llama3" divides the low frequencies by `factor` and blends the middle band."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
@@ -350,18 +362,13 @@ class MoE(nn.Module):
     dropped choices of the last forward.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        tp: int,
-        dispatch: MoeDispatch,
-        execution: Execution,
-        capacity_factor: float | None = None,
-    ) -> None:
+    def __init__(self, config: ModelConfig, tp: int, experts: Experts, execution: Execution) -> None:
         super().__init__()
-        if dispatch == "capacity" and capacity_factor is None:
-            raise ValueError("the capacity dispatch needs a capacity_factor")
-        self.top_k, self.dispatch, self.capacity_factor = config.experts_per_token, dispatch, capacity_factor
+        self.top_k, self.dispatch, self.capacity_factor = (
+            config.experts_per_token,
+            experts.dispatch,
+            experts.capacity_factor,
+        )
         self.dropped: torch.Tensor | None = None
         self.sequence_parallel = execution.sequence_parallel
         self.router = _Router(config, execution.sequence_parallel)
@@ -478,10 +485,6 @@ def balance_loss(chosen: torch.Tensor, probability: torch.Tensor, rows: torch.Te
     return chosen.shape[0] * torch.sum((chosen / rows) * (probability / rows))
 
 
-def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
-    return balance_loss(*balance_sums(router_logits, num_experts, top_k))
-
-
 @dataclass(frozen=True)
 class Stage:
     """This rank's pipeline stage: which layers it holds (contiguous, as the converter splits them)."""
@@ -515,9 +518,8 @@ class DecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         parallelism: Parallelism,
-        dispatch: MoeDispatch,
+        experts: Experts,
         execution: Execution,
-        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
         h, eps, sequence_parallel = config.spec.hidden_size, config.rms_norm_eps, execution.sequence_parallel
@@ -525,7 +527,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, parallelism, execution)
         self.post_attention_layernorm = RMSNorm(h, eps, config.dtype, sequence_parallel=sequence_parallel)
         self.mlp: nn.Module = (
-            MoE(config, parallelism.tp, dispatch, execution, capacity_factor)
+            MoE(config, parallelism.tp, experts, execution)
             if config.spec.architecture == "mixtral"
             else MLP(config, execution)
         )
@@ -548,9 +550,8 @@ class Decoder(nn.Module):
         self,
         config: ModelConfig,
         parallelism: Parallelism,
-        dispatch: MoeDispatch,
+        experts: Experts,
         execution: Execution,
-        capacity_factor: float | None = None,
         stage: Stage = Stage(),
     ) -> None:
         super().__init__()
@@ -566,7 +567,7 @@ class Decoder(nn.Module):
             )
         self.layers = nn.ModuleDict(
             {
-                str(index): DecoderLayer(config, parallelism, dispatch, execution, capacity_factor)
+                str(index): DecoderLayer(config, parallelism, experts, execution)
                 for index in stage.layers(spec.num_layers)
             }
         )
@@ -613,17 +614,16 @@ class CausalLM(nn.Module):
         config: ModelConfig,
         parallelism: Parallelism,
         *,
-        dispatch: MoeDispatch,
+        experts: Experts,
         router_aux_loss: bool,
         execution: Execution = Execution(),
-        capacity_factor: float | None = None,
         stage: Stage = Stage(),
     ) -> None:
         super().__init__()
         self.config, self.parallelism, self.router_aux_loss = config, parallelism, router_aux_loss
         self.execution, self.stage = execution, stage
         spec = config.spec
-        self.model = Decoder(config, parallelism, dispatch, execution, capacity_factor, stage)
+        self.model = Decoder(config, parallelism, experts, execution, stage)
         if stage.last:
             self.lm_head = parallel.ColumnParallelLinear(
                 spec.hidden_size,
@@ -685,9 +685,12 @@ class CausalLM(nn.Module):
             loss = losses.sum() / (labels != parallel.IGNORE_INDEX).sum().clamp_min(1)
             if aux_loss is not None:
                 loss = loss + aux_loss
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, dropped=self.dropped_choices())
+
+    def dropped_choices(self) -> torch.Tensor | None:
+        """The capacity dispatch's dropped token-expert choices in this stage's last forward (None without it)."""
         counts = [m.dropped for m in self.model.modules() if isinstance(m, MoE) and m.dropped is not None]
-        dropped = torch.stack(counts).sum() if counts else None
-        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, dropped=dropped)
+        return torch.stack(counts).sum() if counts else None
 
 
 def gather_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -730,15 +733,14 @@ def build_model(
         )
     stage = Stage(parallel.pp_rank(), pp)
     default: MoeDispatch = "dense" if parallel.backend() == "neuron" else "sparse"
-    dispatch: MoeDispatch = moe_dispatch or ("capacity" if capacity_factor is not None else default)
+    experts = Experts(moe_dispatch or ("capacity" if capacity_factor is not None else default), capacity_factor)
     aux = model_config.output_router_logits if router_aux_loss is None else router_aux_loss
     model = CausalLM(
         model_config,
         parallelism,
-        dispatch=dispatch,
+        experts=experts,
         router_aux_loss=aux,
         execution=execution,
-        capacity_factor=capacity_factor,
         stage=stage,
     )
     if seed is not None:

@@ -67,10 +67,11 @@ def check_memory(recipe: Recipe, site: Site) -> None:
     instance_type = site.instance_type or DEFAULT_HARDWARE.name
     if instance_type not in HARDWARE:
         raise UserError(f"site instance_type {instance_type!r} is not supported; allowed: {', '.join(HARDWARE)}")
-    if model_config(recipe) is None:
+    config = model_config(recipe)
+    if config is None:
         print(f"warning: memory not planned: no config.json in model.config {recipe.model.config}", file=sys.stderr)
         return
-    problem = refusal(recipe, HARDWARE[instance_type])
+    problem = refusal(recipe, HARDWARE[instance_type], config)
     if problem is not None:
         raise UserError(problem)
 

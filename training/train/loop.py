@@ -240,27 +240,16 @@ def _run(
 
     try:
         for step in range(start, last):
-            total = torch.zeros((), device=device)
-            dropped = torch.zeros((), device=device) if choices_per_step else None
+            batches = [
+                data.batch(plan.sample_indices(step, parallel.dp_rank(), micro_step))
+                for micro_step in range(plan.accumulation)
+            ]
             if parallel.pp_size() > 1:
-                batches = [
-                    data.batch(plan.sample_indices(step, parallel.dp_rank(), micro_step))
-                    for micro_step in range(plan.accumulation)
-                ]
                 result = stages.train_step(model, batches, carry)
                 total = stages.from_last_stage(result.loss_sum)
-                if dropped is not None and result.dropped is not None:
-                    dropped = stages.over_stages(result.dropped)
-            for micro_step in range(plan.accumulation if parallel.pp_size() == 1 else 0):
-                input_ids, targets = data.batch(plan.sample_indices(step, parallel.dp_rank(), micro_step))
-                output = model(input_ids.to(device), targets.to(device))
-                assert output.loss is not None
-                (output.loss / plan.accumulation).backward()
-                total += output.loss.detach()
-                if dropped is not None and output.dropped is not None:
-                    dropped += output.dropped.detach()
-                # One graph per micro batch on Neuron: a step of N micro batches is never traced as one graph.
-                parallel.mark_step()
+                dropped = None if result.dropped is None else stages.over_stages(result.dropped)
+            else:
+                total, dropped = _accumulate(model, batches, device)
             learning_rate = optimizer.lr
             grad_norm = optimizer.step()
             loss = _data_parallel_mean(total / plan.accumulation)
@@ -296,6 +285,25 @@ def _run(
             metrics.close()
     first, final = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     return {"steps": last, "started_at": start, "first_loss": first, "last_loss": final}
+
+
+def _accumulate(
+    model: CausalLM, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward and backward of each micro batch into the same gradients; the summed loss, and the capacity
+    dispatch's dropped expert choices (None without it)."""
+    total = torch.zeros((), device=device)
+    dropped = None
+    for input_ids, targets in batches:
+        output = model(input_ids.to(device), targets.to(device))
+        assert output.loss is not None
+        (output.loss / len(batches)).backward()
+        total += output.loss.detach()
+        if output.dropped is not None:
+            dropped = output.dropped.detach() if dropped is None else dropped + output.dropped.detach()
+        # One graph per micro batch on Neuron: a step of N micro batches is never traced as one graph.
+        parallel.mark_step()
+    return total, dropped
 
 
 def _validation_loss(

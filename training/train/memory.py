@@ -192,11 +192,8 @@ def outside_layer_bytes(w: Workload) -> int:
 def saved_activation_bytes(w: Workload) -> int:
     """All that autograd keeps after one micro batch's forward on the most loaded stage (what the
     measurement in tests/training/test_memory.py compares with)."""
-    return s_layers(w) * (layer_activation_bytes(w) + _balance_loss(w)) + outside_layer_bytes(w)
-
-
-def s_layers(w: Workload) -> int:
-    return w.spec.num_layers // w.pp
+    layers = w.spec.num_layers // w.pp
+    return layers * (layer_activation_bytes(w) + _balance_loss(w)) + outside_layer_bytes(w)
 
 
 def in_flight(w: Workload) -> int:
@@ -352,9 +349,10 @@ def gib(value: float) -> float:
     return round(value / GIB, 2)
 
 
-def refusal(recipe: Recipe, hardware: Hardware) -> str | None:
-    """One line when the recipe does not fit (None when it does, or when its model's config is unknown)."""
-    config = model_config(recipe)
+def refusal(recipe: Recipe, hardware: Hardware, config: dict[str, Any] | None = None) -> str | None:
+    """One line when the recipe does not fit (None when it does, or when its model's config is unknown).
+    `config`: the model's config.json when the caller has read it already (default: `model_config`)."""
+    config = config or model_config(recipe)
     if config is None:
         return None
     w = workload_of(recipe, config, hardware)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from training.model import parallel
-from training.model.transformer import CausalLM, CausalLMOutput, MoE, StageCarry
+from training.model.transformer import CausalLM, CausalLMOutput, StageCarry
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def _differentiable(carry: StageCarry) -> list[torch.Tensor]:
 @dataclass
 class StepResult:
     loss_sum: torch.Tensor  # sum of the micro batches' losses (last stage; zero elsewhere)
-    dropped: torch.Tensor | None  # this stage's dropped expert choices (capacity dispatch)
+    dropped: torch.Tensor | None  # this stage's dropped expert choices (capacity dispatch), all micro batches
 
 
 def train_step(model: CausalLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], shape: CarryShape) -> StepResult:
@@ -111,7 +111,7 @@ def train_step(model: CausalLM, batches: Sequence[tuple[torch.Tensor, torch.Tens
     micro_batches = len(batches)
     device = parallel.device()
     loss_sum = torch.zeros((), device=device)
-    dropped = _dropped_counter(model)
+    dropped: torch.Tensor | None = None
     in_flight: deque[tuple[StageCarry | None, torch.Tensor | StageCarry]] = deque()
 
     def receive_forward() -> StageCarry | None:
@@ -122,10 +122,12 @@ def train_step(model: CausalLM, batches: Sequence[tuple[torch.Tensor, torch.Tens
         return _received(buffers)
 
     def forward(index: int, received: StageCarry | None) -> torch.Tensor | StageCarry:
-        nonlocal loss_sum
+        nonlocal loss_sum, dropped
         ids, targets = (t.to(device) for t in batches[index])
         output = model.forward_stage(ids if received is None else received, targets if model.stage.last else None)
-        _count_dropped(model, dropped)
+        choices = model.dropped_choices()
+        if choices is not None:
+            dropped = choices.detach() if dropped is None else dropped + choices.detach()
         if isinstance(output, CausalLMOutput):
             assert output.loss is not None
             loss_sum = loss_sum + output.loss.detach()
@@ -224,16 +226,3 @@ def over_stages(value: torch.Tensor) -> torch.Tensor:
     value = value.clone()
     dist.all_reduce(value, group=parallel.pp_group())
     return value
-
-
-def _dropped_counter(model: CausalLM) -> torch.Tensor | None:
-    has_capacity = any(isinstance(m, MoE) and m.dispatch == "capacity" for m in model.modules())
-    return torch.zeros((), device=parallel.device()) if has_capacity else None
-
-
-def _count_dropped(model: CausalLM, counter: torch.Tensor | None) -> None:
-    if counter is None:
-        return
-    for module in model.modules():
-        if isinstance(module, MoE) and module.dropped is not None:
-            counter += module.dropped.detach()
