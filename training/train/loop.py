@@ -66,14 +66,6 @@ def check_model_fits(recipe: Recipe, spec: ModelSpec) -> Parallelism:
     except UserError as error:
         which = f"parallelism.pp {wanted.pp}" if spec.num_layers % wanted.pp else f"parallelism.tp {wanted.tp}"
         raise UserError(f"{which}: {error}") from None
-    if wanted.pp > 1 and recipe.backend == "neuron":
-        raise UserError(
-            not_allowed(
-                "parallelism.pp",
-                wanted.pp,
-                "1 on backend neuron for now (pipeline stages run on the cpu backend; NxDPPModel is not wired yet)",
-            )
-        )
     if recipe.backend == "neuron" and multiplier > 1:
         from training.model.neuron_backend import platform_target
 
@@ -200,7 +192,11 @@ def _run(
             + (f", resumed from step {start}" if resume_step is not None else "")
         )
     device = parallel.device()
-    carry = stages.carry_shape(model, plan.micro, recipe.batch.seq_len)
+    pipeline = None
+    if parallel.pp_size() > 1:
+        pipeline = stages.pipeline(
+            model, plan.accumulation, plan.micro, recipe.batch.seq_len, zero1=recipe.optimizer.zero1
+        )
     losses: list[float] = []
     # the capacity dispatch's token-expert choices per step and data-parallel rank, to log the dropped fraction
     choices_per_step = 0
@@ -244,8 +240,8 @@ def _run(
                 data.batch(plan.sample_indices(step, parallel.dp_rank(), micro_step))
                 for micro_step in range(plan.accumulation)
             ]
-            if parallel.pp_size() > 1:
-                result = stages.train_step(model, batches, carry)
+            if pipeline is not None:
+                result = pipeline.train_step(batches)
                 total = stages.from_last_stage(result.loss_sum)
                 dropped = None if result.dropped is None else stages.over_stages(result.dropped)
             else:
@@ -258,7 +254,7 @@ def _run(
             validation_loss = None
             if validation is not None and (done % recipe.data.validation_every == 0 or done == last):
                 validation_loss = _validation_loss(
-                    model, validation, plan, recipe.data.validation_batches, device, carry
+                    model, validation, plan, recipe.data.validation_batches, device, pipeline
                 )
             dropped_fraction = None if dropped is None else _data_parallel_mean(dropped / choices_per_step)
             if done % recipe.log_every == 0 or done == last or validation_loss is not None:
@@ -312,7 +308,7 @@ def _validation_loss(
     plan: BatchPlan,
     batches: int,
     device: torch.device,
-    carry: stages.CarryShape,
+    pipeline: stages.Pipeline | None,
 ) -> torch.Tensor:
     """The language-model loss (no router loss) over the first `batches` micro batches per data-parallel rank
     of the validation split: the same blocks every time, so the values compare across steps."""
@@ -320,8 +316,8 @@ def _validation_loss(
         range((b * plan.dp + parallel.dp_rank()) * plan.micro, (b * plan.dp + parallel.dp_rank() + 1) * plan.micro)
         for b in range(batches)
     ]
-    if parallel.pp_size() > 1:
-        total = stages.from_last_stage(stages.forward_only(model, [validation.batch(b) for b in blocks], carry))
+    if pipeline is not None:
+        total = stages.from_last_stage(pipeline.forward_only([validation.batch(b) for b in blocks]))
         return _data_parallel_mean(total / batches)
     total = torch.zeros((), device=device)
     with torch.no_grad():

@@ -246,8 +246,10 @@ def _neuron_optimizer(
 
     # The learning rate as a device tensor (see Schedule), which AdamW takes in its capturable form: bias
     # corrections and step counts stay on the device too, nothing is read back during the step.
-    learning_rate = torch.tensor([settings.lr], dtype=torch.float32, device=parallel.device())
-    defaults = {**defaults, "lr": learning_rate, "foreach": False, "capturable": True}
+    # (NxD's CPU mode keeps the parameters on the host, where AdamW has no capturable form: a float there.)
+    if parallel.device().type != "cpu":
+        learning_rate = torch.tensor([settings.lr], dtype=torch.float32, device=parallel.device())
+        defaults = {**defaults, "lr": learning_rate, "foreach": False, "capturable": True}
     if settings.zero1:
         # NxD hands ZeRO-1 `grad_clipping` but never the norm, so torch-xla's default max_norm=1.0 would apply.
         defaults["max_norm"] = settings.grad_clip

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,11 +50,12 @@ def carry_shape(model: CausalLM, micro: int, seq_len: int) -> CarryShape:
     return CarryShape(hidden, model.config.dtype, experts)
 
 
-def _flat(carry: StageCarry) -> list[torch.Tensor]:
+def flat(carry: StageCarry) -> list[torch.Tensor]:
+    """A carry as the tensors that travel, in a fixed order (the inverse of `carry_of`)."""
     return [carry.hidden] if carry.balance is None else [carry.hidden, *carry.balance]
 
 
-def _carry(tensors: list[torch.Tensor]) -> StageCarry:
+def carry_of(tensors: Sequence[torch.Tensor]) -> StageCarry:
     hidden, *balance = tensors
     return StageCarry(hidden, None if not balance else (balance[0], balance[1], balance[2]))
 
@@ -90,7 +92,7 @@ def _received(tensors: list[torch.Tensor]) -> StageCarry:
     tensors[0].requires_grad_(True)
     if len(tensors) > 1:
         tensors[2].requires_grad_(True)
-    return _carry(tensors)
+    return carry_of(tensors)
 
 
 def _differentiable(carry: StageCarry) -> list[torch.Tensor]:
@@ -101,6 +103,39 @@ def _differentiable(carry: StageCarry) -> list[torch.Tensor]:
 class StepResult:
     loss_sum: torch.Tensor  # sum of the micro batches' losses (last stage; zero elsewhere)
     dropped: torch.Tensor | None  # this stage's dropped expert choices (capacity dispatch), all micro batches
+
+
+class Pipeline(Protocol):
+    """One optimizer step's micro batches through this rank's stage, and validation, on either backend."""
+
+    def train_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult: ...
+
+    def forward_only(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The language-model loss (no balance loss) summed over the micro batches, without gradients; on the
+        last stage, zero elsewhere."""
+        ...
+
+
+class OneFOneB:
+    """The cpu backend's schedule (this module's functions) for one model."""
+
+    def __init__(self, model: CausalLM, shape: CarryShape) -> None:
+        self.model, self.shape = model, shape
+
+    def train_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        return train_step(self.model, batches, self.shape)
+
+    def forward_only(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return forward_only(self.model, batches, self.shape)
+
+
+def pipeline(model: CausalLM, micro_batches: int, micro: int, seq_len: int, *, zero1: bool) -> Pipeline:
+    """The backend's pipeline for this rank's stage: this 1F1B on cpu, neuronx-distributed's on neuron."""
+    if parallel.backend() == "neuron":
+        from training.train.nxd_stages import NxDPipeline
+
+        return NxDPipeline(model, micro_batches, zero1=zero1)
+    return OneFOneB(model, carry_shape(model, micro, seq_len))
 
 
 def train_step(model: CausalLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], shape: CarryShape) -> StepResult:
@@ -149,7 +184,7 @@ def train_step(model: CausalLM, batches: Sequence[tuple[torch.Tensor, torch.Tens
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in _differentiable(received)]
 
     def send_forward(produced: torch.Tensor | StageCarry, receive_backward: bool) -> list[torch.Tensor] | None:
-        send = [] if pipe.next is None else [(_flat(produced), pipe.next)]  # type: ignore[arg-type]
+        send = [] if pipe.next is None else [(flat(produced), pipe.next)]  # type: ignore[arg-type]
         buffers = pipe.backward_buffers() if receive_backward and pipe.next is not None else None
         pipe.exchange(send, [] if buffers is None else [(buffers, pipe.next)])  # type: ignore[list-item]
         return buffers
@@ -198,25 +233,22 @@ def forward_only(
             if pipe.previous is not None:
                 buffers = pipe.forward_buffers()
                 pipe.exchange([], [(buffers, pipe.previous)])
-                received = _carry(buffers)
+                received = carry_of(buffers)
             output = model.forward_stage(ids.to(device) if received is None else received, targets.to(device))
             if isinstance(output, CausalLMOutput):
                 assert output.loss is not None
                 total += output.loss - output.aux_loss if output.aux_loss is not None else output.loss
             else:
                 assert pipe.next is not None
-                pipe.exchange([(_flat(output), pipe.next)], [])
+                pipe.exchange([(flat(output), pipe.next)], [])
     return total
 
 
 def from_last_stage(value: torch.Tensor) -> torch.Tensor:
-    """The last stage's value on every stage of this rank's pipeline (for logging on global rank 0)."""
-    if parallel.pp_size() == 1:
-        return value
-    value = value.clone()
-    ranks = dist.get_process_group_ranks(parallel.pp_group())
-    dist.broadcast(value, src=ranks[-1], group=parallel.pp_group())
-    return value
+    """The last stage's value on every stage of this rank's pipeline (for logging on global rank 0); every
+    other stage holds zero. A sum over the stages, not a broadcast: torch-xla's process groups reduce but do
+    not broadcast."""
+    return over_stages(value)
 
 
 def over_stages(value: torch.Tensor) -> torch.Tensor:
