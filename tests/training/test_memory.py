@@ -188,6 +188,16 @@ def test_the_reference_llama_settings_cost_what_reference_md_estimates() -> None
     assert 5.5 < total < 7.5
 
 
+# The bundled Mixtral recipe before pipeline parallelism and the document's memory settings.
+MIXTRAL_AS_IT_STOOD = [
+    "parallelism.pp=1",
+    "parallelism.sequence_parallel=false",
+    "memory.activation_checkpointing=none",
+    "moe.capacity_factor=null",
+    "precision=bf16-mixed",
+]
+
+
 @pytest.mark.parametrize(
     ("recipe", "overrides"),
     [
@@ -200,7 +210,7 @@ def test_the_reference_llama_settings_cost_what_reference_md_estimates() -> None
                 "memory.flash_attention=false",
             ],
         ),
-        ("mixtral-8x7b-sft", []),  # as it stands, until pipeline parallelism
+        ("mixtral-8x7b-sft", MIXTRAL_AS_IT_STOOD),
     ],
 )
 def test_the_first_two_recipes_as_they_stood_are_refused(recipe: str, overrides: list[str]) -> None:
@@ -235,8 +245,23 @@ def test_the_cheapest_fix_is_the_first_set_of_changes_that_fits() -> None:
     assert plan(workload_of(fixed, config, DEFAULT_HARDWARE)).total == fix.plan.total
 
 
+def test_mixtral_recipe_fits_two_nodes_with_headroom() -> None:
+    """TP 32 x PP 2 with sequence parallelism, full checkpointing and bf16-sr (the recipe's justification), and
+    the document's TP 8 x PP 8 as an override: both fit 2 nodes with the required headroom."""
+    recipe = load_recipe("mixtral-8x7b-sft")
+    assert (recipe.nodes, recipe.parallelism.tp, recipe.parallelism.pp, recipe.precision) == (2, 32, 2, "bf16-sr")
+    result = plan(workload_of(recipe, model_config_of("mixtral-8x7b-sft"), DEFAULT_HARDWARE))
+    assert result.fits and result.headroom >= 0.30
+    assert refusal(recipe, DEFAULT_HARDWARE) is None
+    documents = ["parallelism.tp=8", "parallelism.pp=8", "parallelism.kv_size_multiplier=1"]
+    documents.append("parallelism.sequence_parallel=false")
+    document = load_recipe("mixtral-8x7b-sft", documents)
+    result = plan(workload_of(document, model_config_of("mixtral-8x7b-sft"), DEFAULT_HARDWARE))
+    assert result.fits and REQUIRED_HEADROOM <= result.headroom < 0.30
+
+
 def test_refusal_is_one_line_with_the_fix() -> None:
-    problem = refusal(load_recipe("mixtral-8x7b-sft"), DEFAULT_HARDWARE)
+    problem = refusal(load_recipe("mixtral-8x7b-sft", MIXTRAL_AS_IT_STOOD), DEFAULT_HARDWARE)
     assert problem is not None and "\n" not in problem
     assert problem.startswith("recipe mixtral-8x7b-sft needs 36.")
     assert "GiB per NeuronCore of the 16 GiB on trn1.32xlarge" in problem
@@ -249,7 +274,7 @@ def test_plan_command_prints_the_breakdown_and_exits_by_fit(capsys: pytest.Captu
     for line in ("weights", "gradients", "optimizer state", "activations", "logits", "runtime reserve", "total"):
         assert f"  {line}" in text
     assert text.rstrip().endswith("headroom: fits")
-    assert main(["plan", "--recipe", "mixtral-8x7b-sft", "--json"]) == 1
+    assert main(["plan", "--recipe", "mixtral-8x7b-sft", "--json", *MIXTRAL_AS_IT_STOOD]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is False and data["hbm_gib"] == 16.0 and data["per_core_gib"] > 30
     assert data["headroom"] == pytest.approx(1 - data["per_core_gib"] / data["hbm_gib"], abs=1e-3)
@@ -272,11 +297,12 @@ def test_submit_refuses_a_recipe_that_does_not_fit_before_writing_anything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)  # the local site keeps its runs in ./work/runs
-    assert main(["submit", "--recipe", "mixtral-8x7b-sft", "--dry-run"]) == 2
+    assert main(["submit", "--recipe", "mixtral-8x7b-sft", "--dry-run", *MIXTRAL_AS_IT_STOOD]) == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and error.startswith("error: recipe mixtral-8x7b-sft needs "), error
     assert not (tmp_path / "work").exists()
-    assert main(["submit", "--recipe", "llama31-8b-cpt", "--dry-run"]) == 0  # the Llama recipe fits
+    assert main(["submit", "--recipe", "llama31-8b-cpt", "--dry-run"]) == 0  # the bundled recipes fit
+    assert main(["submit", "--recipe", "mixtral-8x7b-sft", "--dry-run"]) == 0
 
 
 @pytest.mark.parametrize("model", ["llama", "mixtral"])

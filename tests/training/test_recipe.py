@@ -33,6 +33,14 @@ def test_document_recipes_keep_the_documents_settings() -> None:
     mixtral = load_recipe("mixtral-8x7b-sft")
     assert (mixtral.batch.seq_len, mixtral.batch.global_batch, mixtral.optimizer.lr) == (2048, 32, 1e-5)
     assert (mixtral.schedule.decay, mixtral.schedule.min_lr, mixtral.schedule.warmup_steps) == ("cosine", 1e-6, 10)
+    # the document's fork: test_mixtral.sh's weight decay 0.1 and betas, bf16 with stochastic rounding,
+    # full activation checkpointing, gradient clipping at 1.0
+    assert (mixtral.optimizer.weight_decay, mixtral.optimizer.betas, mixtral.optimizer.grad_clip) == (
+        0.1,
+        (0.9, 0.95),
+        1.0,
+    )
+    assert (mixtral.precision, mixtral.memory.activation_checkpointing) == ("bf16-sr", "full")
 
 
 def test_overrides_are_parsed_as_yaml() -> None:
