@@ -55,7 +55,8 @@ class StageModule(nn.Module):
 
     def _inputs(self, received: Any) -> torch.Tensor | StageCarry:
         if self.model.stage.first:
-            return received[0]  # NxD hands the first stage its micro batch of each model input: the token ids
+            ids: torch.Tensor = received[0]  # NxD hands the first stage its micro batch of each model input
+            return ids
         return carry_of(list(received))
 
     def _count_dropped(self) -> None:
@@ -107,7 +108,7 @@ class NxDPipeline:
         inputs = torch.cat([ids for ids, _ in batches])  # on the host: NxD's loader moves each micro batch
         labels = torch.cat([targets for _, targets in batches])
         run = schedule.run_train if train else schedule.run_eval
-        mean = run(inputs=inputs, labels=labels)
+        mean: torch.Tensor | None = run(inputs=inputs, labels=labels)
         if mean is None:  # not the last stage
             return torch.zeros((), device=parallel.device())
         return mean * count

@@ -4,7 +4,8 @@ Each rank holds one stage (`CausalLM.stage`: contiguous layers, the embedding on
 norm and head on the last). One optimizer step runs M micro batches: stage s first runs PP - s - 1
 forward passes (warm-up), then alternates one forward and one backward pass, then finishes the backward
 passes (cool-down), so at most PP micro batches' activations are held at once. This is the schedule
-neuronx-distributed's `NxDPPModel` runs on Trainium. Between stages travel the hidden states and, for
+neuronx-distributed's `NxDPPModel` runs on the neuron backend (`training.train.nxd_stages`, chosen by
+`pipeline`). Between stages travel the hidden states and, for
 Mixtral, the router balance loss's running sums (`StageCarry`), so the loss, and every gradient, equal the
 unstaged model's.
 
