@@ -44,7 +44,7 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path
 
 
 def train(
-    world: dict[str, Path], architecture: str, backend: str, checkpoints: Path
+    world: dict[str, Path], architecture: str, backend: str, checkpoints: Path, *, resume: bool = False
 ) -> subprocess.CompletedProcess[str]:
     overrides = [
         f"model.config={world['hf']}",
@@ -66,6 +66,7 @@ def train(
         overrides += ["moe.capacity_factor=1.0", "data.validation_split=validation", "data.validation_every=2"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     command += ["-m", "training", "train", "--recipe", RECIPES[architecture], *overrides]
+    command += ["--resume"] if resume else []
     environment = {**os.environ, "NXD_CPU_MODE": "1"}
     return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=900, check=False)
 
@@ -125,3 +126,33 @@ def test_each_stage_saves_its_pp_rank_file_and_converts_back(
     assert weights["neuron"].keys() == weights["cpu"].keys()
     for name, tensor in weights["cpu"].items():
         torch.testing.assert_close(weights["neuron"][name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_killed_pipeline_resumes_bit_identically(
+    worlds: dict[str, dict[str, Path]], runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 (the last stage) SIGKILLs itself after step 3; `--resume` loads each stage's step-2 files through
+    NxD's `load_checkpoint` and steps 3 and 4 and the final weights equal the uninterrupted run's, bit for bit."""
+    from training.train.loop import KILL_AT_STEP, KILL_RANK
+
+    checkpoints = tmp_path / "resumed"
+    monkeypatch.setenv(KILL_AT_STEP, "3")
+    monkeypatch.setenv(KILL_RANK, "1")
+    first = train(worlds["mixtral"], "mixtral", "neuron", checkpoints)
+    assert first.returncode != 0
+    monkeypatch.delenv(KILL_AT_STEP)
+    second = train(worlds["mixtral"], "mixtral", "neuron", checkpoints, resume=True)
+    assert second.returncode == 0, second.stderr[-6000:]
+    assert "resumed from step 2" in second.stderr
+    straight = {r["step"]: r for r in metrics(runs["mixtral-neuron"])}
+    resumed = [r for r in metrics(checkpoints) if r["step"] > 2][-2:]
+    assert [r["step"] for r in resumed] == [3, 4]
+    for record in resumed:
+        expected = straight[record["step"]]
+        assert (record["loss"], record["grad_norm"]) == (expected["loss"], expected["grad_norm"])
+    for pp in (0, 1):
+        name = f"step_{STEPS}/model/dp_rank_00_tp_rank_00_pp_rank_{pp:02d}.pt"
+        expected_weights = torch.load(runs["mixtral-neuron"] / name, weights_only=True)
+        actual_weights = torch.load(checkpoints / name, weights_only=True)
+        assert expected_weights.keys() == actual_weights.keys()
+        assert all(torch.equal(expected_weights[k], actual_weights[k]) for k in expected_weights), pp

@@ -76,10 +76,6 @@ def save_checkpoint(
     if parallel.backend() == "neuron":
         from neuronx_distributed.trainer import save_checkpoint as nxd_save
 
-        # NxD creates these on one rank and waits at a torch-xla rendezvous, which does not wait across
-        # processes in NxD's CPU mode (the tier's pipeline runs); each rank making its own is the same tree.
-        for part in ("model", "optim"):
-            (target / part).mkdir(parents=True, exist_ok=True)
         nxd_save(
             str(directory),
             tag=target.name,

@@ -7,8 +7,8 @@ under those names is a placeholder class: importing, subclassing, decorating and
 placeholder's attributes and items are placeholders, and `get_platform_target()` answers "trn1".
 `libneuronxla.libneuronpjrt_path` stays absent on purpose: its presence would switch torch-xla to the
 Neuron PJRT plugin. The real torch_neuronx also registers `torch.classes.neuron.*` from its C++ library;
-NxD uses them as annotations, so the stand-in registers placeholders. One difference of the CPU device is
-bridged too: see `_host_world_size`.
+NxD uses them as annotations, so the stand-in registers placeholders. Two differences of the CPU device are
+bridged too: see `_host_world_size` and `_rendezvous_across_processes`.
 """
 
 from __future__ import annotations
@@ -78,7 +78,33 @@ def _host_world_size(module: types.ModuleType) -> None:
     os.environ.setdefault("HOST_WORLD_SIZE", str(max(hosts, 1)))
 
 
-AFTER_IMPORT = {"torch_xla.core.xla_env_vars": _host_world_size}
+def _rendezvous_across_processes(module: types.ModuleType) -> None:
+    """On Trainium torch-xla's `rendezvous` waits for every worker and exchanges their payloads (the Neuron
+    runtime's collectives). On XLA:CPU each process is a world of its own, so under NxD's CPU mode (several
+    processes over gloo) it would return at once, and NxD's checkpointing relies on it: rank 0 creates the
+    directories and marks a save done while the others write, and a worker that looks before rank 0 has
+    marked it removes its own files as an interrupted save's. There it is what it is on Trainium: a
+    rendezvous of all processes (torch.distributed's default group)."""
+    if int(os.environ.get("NXD_CPU_MODE", "0")) <= 0:
+        return
+    on_this_device = module.rendezvous
+
+    def rendezvous(tag: str, payload: bytes = b"", replicas: Any = None) -> Any:
+        import torch.distributed as dist
+
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return on_this_device(tag, payload, replicas or [])
+        payloads: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(payloads, payload)
+        return payloads
+
+    module.rendezvous = rendezvous  # type: ignore[attr-defined]
+
+
+AFTER_IMPORT = {
+    "torch_xla.core.xla_env_vars": _host_world_size,
+    "torch_xla.core.xla_model": _rendezvous_across_processes,
+}
 
 
 class _Amended(importlib.abc.Loader):
