@@ -260,6 +260,20 @@ def test_mixtral_recipe_fits_two_nodes_with_headroom() -> None:
     assert result.fits and REQUIRED_HEADROOM <= result.headroom < 0.30
 
 
+def test_the_cheapest_fix_adds_pipeline_stages_before_nodes() -> None:
+    """Llama 3.1 70B on the 8B recipe's 4 nodes: with every memory setting it still does not fit at PP 1, so
+    the fix splits the layers over stages on the same nodes rather than buying more; the fix's recipe plans
+    as it says."""
+    recipe = load_recipe("llama31-8b-cpt", ["model.config=/fsx/models/Llama-3.1-70B"])
+    config = model_config(recipe)
+    assert config is not None
+    fix = cheapest_fix(workload_of(recipe, config, DEFAULT_HARDWARE), recipe, DEFAULT_HARDWARE)
+    assert fix.overrides[-1].startswith("parallelism.pp=") and not any(o.startswith("nodes=") for o in fix.overrides)
+    assert fix.plan is not None and fix.plan.fits
+    fixed = load_recipe("llama31-8b-cpt", ["model.config=/fsx/models/Llama-3.1-70B", *fix.overrides])
+    assert plan(workload_of(fixed, config, DEFAULT_HARDWARE)).total == fix.plan.total
+
+
 def test_refusal_is_one_line_with_the_fix() -> None:
     problem = refusal(load_recipe("mixtral-8x7b-sft", MIXTRAL_AS_IT_STOOD), DEFAULT_HARDWARE)
     assert problem is not None and "\n" not in problem

@@ -260,13 +260,20 @@ def _fixes(w: Workload, recipe: Recipe, hardware: Hardware) -> list[tuple[str, d
         fixes.append(("memory.activation_checkpointing=full", {"activation_checkpointing": "full"}))
     if w.precision == "bf16-mixed":
         fixes.append(("precision=bf16-sr", {"precision": "bf16-sr"}))
+    # Then pipeline stages on the same nodes (they cost a pipeline bubble, not money), then more nodes.
+    pp, global_batch, micro = w.pp, recipe.batch.global_batch, recipe.batch.micro
+    cores = recipe.nodes * hardware.cores_per_node
+    while not w.spec.tie_word_embeddings and w.spec.num_layers % (pp * 2) == 0 and cores % (w.tp * pp * 2) == 0:
+        pp *= 2
+        dp = cores // (w.tp * pp)
+        if global_batch % (micro * dp) == 0:
+            fixes.append((f"parallelism.pp={pp}", {"pp": pp, "dp": dp, "accumulation": global_batch // (micro * dp)}))
     nodes = recipe.nodes
     for _ in range(3):
         nodes *= 2
-        dp = nodes * hardware.cores_per_node // (w.tp * w.pp)
-        if recipe.batch.global_batch % (recipe.batch.micro * dp) == 0:
-            accumulation = recipe.batch.global_batch // (recipe.batch.micro * dp)
-            fixes.append((f"nodes={nodes}", {"dp": dp, "accumulation": accumulation}))
+        dp = nodes * hardware.cores_per_node // (w.tp * pp)
+        if global_batch % (micro * dp) == 0:
+            fixes.append((f"nodes={nodes}", {"dp": dp, "accumulation": global_batch // (micro * dp)}))
     return fixes
 
 
