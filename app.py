@@ -6,15 +6,20 @@ import sys
 from aws_cdk import App
 
 from stacks.application import build_app, environment_from_context
-from training.config.loading import ConfigError
-from training.errors import report
+from training.errors import UserError, decode_error, os_error, report
 
 app = App()
 try:
     config = environment_from_context(app)
-except ConfigError as error:
+except UserError as error:
     # One line per problem and no stack trace: these are user errors in a reviewed file.
     report(error)
+    sys.exit(1)
+except OSError as error:
+    report(os_error(error))
+    sys.exit(1)
+except UnicodeDecodeError as error:
+    report(decode_error(error))
     sys.exit(1)
 build_app(app, config)
 app.synth()

@@ -3,8 +3,10 @@
 One convention for every subcommand: `--input` for the one path a command reads, `--output` for what it
 writes, `--run-dir` for a run directory, `--site FILE` (or $TRAINING_SITE) for the site settings. Results
 (JSON summaries, the `status` table) go to stdout, logs to stderr (`training.logs`). User mistakes
-(training.errors.UserError) are printed as one line, `error: ...`, with exit status 2; nothing else is
-caught, so real bugs keep their traceback. Also installed as the console script `trainium-training`.
+(training.errors.UserError), the operating system's refusals (a read-only or full disk, a missing
+permission, a file where a directory is needed), undecodable text and argparse's own complaints are printed
+as one line, `error: ...`, with exit status 2; nothing else is caught, so real bugs keep their traceback.
+Also installed as the console script `trainium-training`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from training.config.recipe import bundled_recipes
-from training.errors import UserError, report
+from training.errors import UserError, decode_error, os_error, report
 from training.logs import LEVEL_VARIABLE, setup_logging
 
 DEFAULT_PRETRAIN_SOURCE = "wikicorpus:raw_en"  # the first source document's corpus
@@ -87,9 +89,18 @@ def _command(commands: Any, name: str, text: str, prog: str, example: str) -> ar
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's complaints as this CLI's other errors: one `error:` line saying where help is, exit 2
+    (subcommands' parsers are built from the same class)."""
+
+    def error(self, message: str) -> NoReturn:
+        report(UserError(f"{message} (see {self.prog} --help)"))
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     prog = program_name()
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         description=__doc__.splitlines()[0],
         epilog=_epilog(prog),
@@ -307,6 +318,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest = _run(arguments)
     except UserError as error:
         report(error)
+        return 2
+    except OSError as error:
+        report(os_error(error))
+        return 2
+    except UnicodeDecodeError as error:
+        report(decode_error(error))
         return 2
     summary = {k: v for k, v in manifest.items() if k not in ("fingerprint",)}
     print(json.dumps(summary, indent=2, sort_keys=True))

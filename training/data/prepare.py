@@ -260,9 +260,15 @@ def _validation_source(train: Source, validation: str) -> tuple[Source, str]:
     return train, validation
 
 
+# Far beyond any model's context (Llama 3.1: 131072 tokens); blocks are Arrow fixed-size lists (32-bit sizes).
+MAX_SEQ_LEN = 1 << 20
+
+
 def _check_common(seq_len: int, num_proc: int, limit: int | None, limit_flag: str) -> None:
     if seq_len < 2:
         raise UserError(f"--seq-len {seq_len}: must be at least 2")
+    if seq_len > MAX_SEQ_LEN:
+        raise UserError(f"--seq-len {seq_len}: is not allowed; allowed: 2 to {MAX_SEQ_LEN} tokens")
     if num_proc < 1:
         raise UserError(f"--num-proc {num_proc}: must be at least 1")
     if limit is not None and limit < 1:

@@ -107,6 +107,9 @@ def train(options: TrainOptions) -> dict[str, Any]:
     parallelism = check_model_fits(recipe, spec)
     if recipe.model.pretrained and not Path(recipe.model.pretrained).is_dir():
         raise UserError(f"model.pretrained {recipe.model.pretrained}: no such directory (a `convert --to nxd` output)")
+    checkpoints = Path(recipe.checkpoint.dir)
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise UserError(f"checkpoint.dir {checkpoints}: is a file; allowed: a directory, or a path to create")
     data_path = Path(recipe.data.path)
     if not data_path.is_dir():
         raise UserError(f"data.path {data_path}: no such directory (run `python -m training prepare` first)")
