@@ -1,0 +1,180 @@
+"""Bad inputs to `python -m training` as a new user (or someone probing it) gives them: each ends in exactly one
+`error:` line naming the input and what is allowed, exit status 2, and nothing left behind (no output, no
+temporary sibling, no checkpoint directory). Malformed checkpoints and safetensors are in
+tests/training/test_untrusted_files.py, settings out of range in tests/training/test_setting_ranges.py,
+the environment file in tests/infra/test_config.py."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from training.cli import main
+from training.local.tiny import build_tiny_world
+
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (DEBUG|INFO|WARNING|ERROR) ")  # training.logs
+
+
+@dataclass(frozen=True)
+class Bad:
+    """A command line (`{world}` and `{tmp}` are filled in) and a fragment its one error line must hold."""
+
+    argv: str
+    says: str
+
+
+def prepare(kind: str, extra: str) -> str:
+    return (
+        f"prepare {kind} --source {{world}}/corpus.jsonl --tokenizer {{world}}/tokenizer --output {{tmp}}/out {extra}"
+    )
+
+
+def train(extra: str) -> str:
+    world = "model.config={world}/hf model.pretrained={world}/pretrained_weight data.path={world}/data"
+    return f"train --recipe tiny-llama-cpt {world} checkpoint.dir={{tmp}}/checkpoints parallelism.tp=1 {extra}"
+
+
+SITE = "--site {tmp}/site.yaml"
+
+CASES: dict[str, Bad] = {
+    # argparse's own complaints, as one line
+    "no command": Bad("", "the following arguments are required: COMMAND"),
+    "unknown command": Bad("fly", "invalid choice: 'fly'"),
+    "unknown prepare kind": Bad("prepare poems --output {tmp}/out", "invalid choice: 'poems'"),
+    "missing --tokenizer": Bad("prepare pretrain --output {tmp}/out", "the following arguments are required"),
+    "--seq-len not a number": Bad(prepare("pretrain", "--seq-len many"), "argument --seq-len: invalid int value"),
+    "unknown option": Bad(prepare("pretrain", "--colour red"), "unrecognized arguments: --colour red"),
+    "plan on an unknown instance": Bad("plan --recipe tiny-llama-cpt --instance-type p5.48xlarge", "invalid choice"),
+    # prepare
+    "--seq-len 0": Bad(prepare("pretrain", "--seq-len 0"), "--seq-len 0: must be at least 2"),
+    "--seq-len -5": Bad(prepare("sft", "--seq-len -5"), "--seq-len -5: must be at least 2"),
+    "--seq-len absurd": Bad(prepare("pretrain", "--seq-len 1000000000000"), "allowed: 2 to 1048576 tokens"),
+    "--num-proc 0": Bad(prepare("pretrain", "--num-proc 0"), "--num-proc 0: must be at least 1"),
+    "output below a regular file": Bad(
+        "prepare pretrain --source {world}/corpus.jsonl --tokenizer {world}/tokenizer --output {tmp}/a-file/out",
+        "allowed: a path whose parents are directories, not files",
+    ),
+    "output is a foreign directory": Bad(
+        "prepare pretrain --source {world}/corpus.jsonl --tokenizer {world}/tokenizer --output {tmp}/foreign",
+        "was not written by this tool",
+    ),
+    "tokenizer directory missing": Bad(
+        "prepare pretrain --source {world}/corpus.jsonl --tokenizer {tmp}/nothing --output {tmp}/out",
+        "--tokenizer {tmp}/nothing: no such directory",
+    ),
+    "source file missing": Bad(
+        "prepare sft --source {tmp}/nothing.jsonl --tokenizer {world}/tokenizer --output {tmp}/out",
+        "no such file or directory",
+    ),
+    "source empty": Bad(
+        "prepare pretrain --source {tmp}/empty.jsonl --tokenizer {world}/tokenizer --output {tmp}/out",
+        "the corpus is empty",
+    ),
+    "source not JSON": Bad(
+        "prepare sft --source {tmp}/not-json.jsonl --tokenizer {world}/tokenizer --output {tmp}/out",
+        "not valid JSON",
+    ),
+    "source not UTF-8": Bad(
+        "prepare pretrain --source {tmp}/latin1.jsonl --tokenizer {world}/tokenizer --output {tmp}/out",
+        "not valid UTF-8",
+    ),
+    "sft source without messages": Bad(prepare("sft", "--seq-len 64"), "no column 'messages'"),
+    # train (before any process group or checkpoint exists)
+    "recipe unknown": Bad("train --recipe gpt-5", "allowed: a recipe file or a bundled recipe"),
+    "override without =": Bad(train("steps"), "allowed: section.key=value"),
+    "override of an unknown key": Bad(train("optimizer.momentum=0.9"), "optimizer.momentum: unknown key"),
+    "backend unknown": Bad(train("backend=gpu"), "backend: 'gpu' is not allowed; allowed: cpu, neuron"),
+    "steps not a number": Bad(train("steps=ten"), "steps: 'ten' is not allowed; allowed: an integer"),
+    "checkpoint.dir is a file": Bad(
+        "train --recipe tiny-llama-cpt model.config={world}/hf model.pretrained= data.path={world}/data "
+        "checkpoint.dir={tmp}/a-file parallelism.tp=1",
+        "checkpoint.dir {tmp}/a-file: is a file",
+    ),
+    "data.path missing": Bad(train("data.path={tmp}/no-data"), "data.path {tmp}/no-data: no such directory"),
+    "model.config missing": Bad(train("model.config={tmp}/no-model"), "model.config {tmp}/no-model: no such"),
+    "pretrained missing": Bad(train("model.pretrained={tmp}/no-weights"), "model.pretrained {tmp}/no-weights"),
+    "tp beyond the launched processes": Bad(train("parallelism.tp=2"), "does not divide the 1 launched processes"),
+    "seq_len unlike the data's": Bad(
+        train("batch.seq_len=128"), "batch.seq_len 128 differs from the data's seq_len 64"
+    ),
+    # plan
+    "plan of an unknown model": Bad(
+        "plan --recipe tiny-llama-cpt model.config={tmp}/My-Model", "{tmp}/My-Model: no config.json there"
+    ),
+    # submit, status, cancel and the site file
+    "submit an unknown recipe": Bad(f"submit --recipe nope --dry-run {SITE}", "allowed: a recipe file"),
+    "submit with a malformed override": Bad(f"submit --recipe tiny-llama-cpt --dry-run steps {SITE}", "key=value"),
+    "submit with a run id with a space": Bad(
+        f"submit --recipe tiny-llama-cpt --dry-run --run-id a&b {SITE}", "--run-id 'a&b'"
+    ),
+    "site file missing": Bad("status --site {tmp}/no-site.yaml", "{tmp}/no-site.yaml: cannot read"),
+    "site file not YAML": Bad("status --site {tmp}/broken.yaml", "{tmp}/broken.yaml: not valid YAML"),
+    "site file not UTF-8": Bad("status --site {tmp}/latin1.yaml", "UTF-8"),
+    "site file with an unknown key": Bad("status --site {tmp}/unknown-key.yaml", "colour: unknown key"),
+    "site file with a wrong type": Bad("status --site {tmp}/wrong-type.yaml", "python: 3 is not allowed"),
+    "site file not a mapping": Bad("status --site {tmp}/list.yaml", "top level must be a mapping"),
+    "status of an unknown run": Bad(f"status --run-id nope {SITE}", "no run.json"),
+    "cancel of an unknown run": Bad(f"cancel --run-id nope {SITE}", "no run.json"),
+    "status without any run": Bad(f"status {SITE}", "no runs under"),
+    # sample and export
+    "sample from a missing model": Bad(
+        "sample --recipe tiny-llama-cpt --input {tmp}/no-model --output {tmp}/out", "not a Hugging Face model"
+    ),
+    "export of a missing run": Bad("export --run-dir {tmp}/no-run --output {tmp}/out", "no run.json"),
+}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("bad-inputs")
+    build_tiny_world(root, "llama", tp=1)
+    return root
+
+
+def populate(tmp: Path) -> None:
+    """The bad files and paths the cases name."""
+    (tmp / "a-file").write_text("a regular file\n")
+    (tmp / "foreign").mkdir()
+    (tmp / "foreign" / "notes.txt").write_text("someone else's\n")
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "not-json.jsonl").write_text('{"messages": [}\n')
+    (tmp / "latin1.jsonl").write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
+    (tmp / "site.yaml").write_text(f"runs_root: {tmp / 'runs'}\n")
+    (tmp / "broken.yaml").write_text("runs_root: [unclosed\n")
+    (tmp / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
+    (tmp / "unknown-key.yaml").write_text("colour: red\n")
+    (tmp / "wrong-type.yaml").write_text("python: 3\n")
+    (tmp / "list.yaml").write_text("- a\n- b\n")
+
+
+def tree(root: Path) -> set[str]:
+    return {str(path.relative_to(root)) for path in root.rglob("*")}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_and_leaves_nothing(
+    name: str, world: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = CASES[name]
+    populate(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = tree(tmp_path)
+    argv = case.argv.format(world=world, tmp=tmp_path).split()
+    status = run(argv)
+    error = capsys.readouterr().err
+    lines = [line for line in error.splitlines() if line.strip() and not LOG_LINE.match(line)]
+    assert len(lines) == 1, error
+    assert lines[0].startswith("error: ") and case.says.format(tmp=tmp_path) in lines[0], lines[0]
+    assert status == 2
+    assert tree(tmp_path) == before, tree(tmp_path) ^ before
+
+
+def run(argv: list[str]) -> int:
+    """The CLI's exit status: returned by `main`, or argparse's own exit."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return int(exit.code or 0)
