@@ -266,7 +266,8 @@ def test_unknown_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
     message = cli(to_nxd(source, tmp_path / "out", "--tp", "2"), capsys)
-    assert message == "config.json: model_type 'gpt_neox' is not supported; allowed: llama, mistral, mixtral"
+    expected = "model_type 'gpt_neox' is not supported; allowed: llama, mistral, mixtral"
+    assert message == f"{source / 'config.json'}: {expected}"
 
 
 def test_mixed_dtypes_where_one_is_required(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -288,7 +289,7 @@ def test_output_holding_another_checkpoint(tmp_path: Path, capsys: pytest.Captur
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"someone else's weights")
     message = cli(to_nxd(source, out, "--tp", "2"), capsys)
-    expected = "choose another --output or pass --overwrite"
+    expected = "choose another --output (--overwrite replaces only this tool's outputs and empty directories)"
     assert message == f"{out} already exists and was not written by this tool; {expected}"
     assert (out / "model.safetensors").read_bytes() == b"someone else's weights"
 

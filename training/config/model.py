@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from training.config.loading import not_allowed
 from training.errors import UserError
 
 Format = Literal["nxd", "nemo"]
@@ -31,26 +32,63 @@ class ModelSpec:
     tie_word_embeddings: bool = False
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelSpec:
+    def from_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelSpec:
+        """The spec of a parsed config.json, checked first: `source` (the file) and the key name every problem,
+        since a wrong size would otherwise surface as a shape error deep in a conversion or a training run."""
         model_type = config.get("model_type")
         if model_type not in ARCHITECTURES:
             raise UserError(
-                f"config.json: model_type {model_type!r} is not supported; allowed: {', '.join(ARCHITECTURES)}"
+                f"{source}: model_type {model_type!r} is not supported; allowed: {', '.join(ARCHITECTURES)}"
             )
         architecture = ARCHITECTURES[model_type]
-        heads = int(config["num_attention_heads"])
+        sizes = {key: _required_size(config, key, source) for key in REQUIRED_SIZES}
+        heads, hidden_size = sizes["num_attention_heads"], sizes["hidden_size"]
+        kv_heads = _size(config, "num_key_value_heads", source) or heads
+        if heads % kv_heads:
+            raise UserError(
+                f"{source}: {not_allowed('num_key_value_heads', kv_heads, f'a divisor of num_attention_heads {heads}')}"
+            )
+        head_dim = _size(config, "head_dim", source)
+        if head_dim is None and hidden_size % heads:
+            allowed = f"a multiple of num_attention_heads {heads} (or a head_dim key)"
+            raise UserError(f"{source}: {not_allowed('hidden_size', hidden_size, allowed)}")
+        experts = _required_size(config, "num_local_experts", source) if architecture == "mixtral" else 0
+        tied = config.get("tie_word_embeddings", False)
+        if tied is not None and not isinstance(tied, bool):
+            raise UserError(f"{source}: {not_allowed('tie_word_embeddings', tied, 'true or false')}")
         return cls(
             architecture="mixtral" if architecture == "mixtral" else "llama",
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
+            num_layers=sizes["num_hidden_layers"],
+            hidden_size=hidden_size,
+            intermediate_size=sizes["intermediate_size"],
             num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            vocab_size=int(config["vocab_size"]),
-            num_experts=int(config.get("num_local_experts", 0)) if architecture == "mixtral" else 0,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim or hidden_size // heads,
+            vocab_size=sizes["vocab_size"],
+            num_experts=experts,
+            tie_word_embeddings=bool(tied),
         )
+
+
+# The sizes every supported config.json states; each a whole number above 0.
+REQUIRED_SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def _size(config: dict[str, Any], key: str, source: str) -> int | None:
+    """An optional size from config.json (absent or null: None), refused unless an integer above 0."""
+    value = config.get(key)
+    if value is not None and (type(value) is not int or value < 1):
+        raise UserError(f"{source}: {not_allowed(key, value, 'an integer above 0')}")
+    return value
+
+
+def _required_size(config: dict[str, Any], key: str, source: str) -> int:
+    if key not in config:
+        raise UserError(f"{source}: {key}: required key is missing")
+    value = config[key]
+    if type(value) is not int or value < 1:
+        raise UserError(f"{source}: {not_allowed(key, value, 'an integer above 0')}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from training.config.loading import not_allowed
 from training.config.model import Parallelism, check_parallelism, default_kv_multiplier
 from training.errors import UserError
 from training.formats.hf import HfSource, HfTarget, Source, copy_companions
@@ -55,8 +56,27 @@ class ConvertOptions:
     workers: int = min(8, os.cpu_count() or 1)
 
 
+def check_options(options: ConvertOptions) -> None:
+    """Refuse degrees, sizes and counts that can never work before any file is read (a zero would otherwise
+    surface as a division by zero, or as an output of no shards)."""
+    ranges = (
+        ("--tp", options.tp, True),
+        ("--pp", options.pp, False),
+        ("--kv-size-multiplier", options.kv_multiplier, True),
+        ("--workers", options.workers, False),
+    )
+    for flag, value, optional in ranges:
+        if value is None and optional:
+            continue
+        if type(value) is not int or value < 1:
+            raise UserError(not_allowed(flag, value, "an integer of at least 1"))
+    if type(options.max_shard_bytes) is not int or options.max_shard_bytes < 1:
+        raise UserError(not_allowed("--max-shard-size", options.max_shard_bytes, "at least 1 byte, e.g. 500MB or 5GB"))
+
+
 def convert(options: ConvertOptions) -> dict[str, Any]:
     """Convert a checkpoint; returns the manifest written beside the output."""
+    check_options(options)
     return_freed_memory_to_the_system()
     if options.source_format == options.target_format:
         raise UserError(f"--from and --to are both {options.source_format}; nothing to convert")
@@ -81,7 +101,7 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
     checksums: dict[str, str] = {}
     plan = source.plan()
     hf_names = {name for name, _, _ in plan}
-    with atomic_directory(options.output) as output:
+    with atomic_directory(options.output, overwrite=options.overwrite) as output:
         target: HfTarget | ShardedTarget
         if options.target_format == "hf":
             target = HfTarget(

@@ -12,7 +12,7 @@ import re
 import shutil
 import threading
 from collections.abc import Iterable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 import torch
@@ -21,13 +21,15 @@ from training.config.model import ModelSpec
 from training.errors import UserError
 from training.formats.layouts import Rule, hf_shapes
 from training.formats.readers import (
-    CheckpointError,
     FileRange,
     LazyTensor,
+    Opaque,
     lazy_tensors,
     nbytes,
     open_safetensors,
     open_torch_file,
+    shown,
+    shown_name,
 )
 from training.formats.writers import SafetensorsWriter
 
@@ -56,20 +58,67 @@ class Source(Protocol):
 
 
 def read_config(directory: Path, override: Path | None) -> tuple[dict[str, Any], Path]:
-    """The model's config.json: `--config` if given, else beside the weights (or one or two levels up)."""
+    """The model's config.json: `--config` if given, else beside the weights (or one or two levels up).
+
+    Checked before it is returned (a JSON object whose model type and sizes `ModelSpec` accepts), so every
+    caller's problems name this file and the key.
+    """
     candidates = (
         [override] if override else [directory / CONFIG, directory.parent / CONFIG, directory.parent.parent / CONFIG]
     )
     for candidate in candidates:
         if candidate and candidate.is_file():
-            try:
-                return dict(json.loads(candidate.read_text())), candidate
-            except json.JSONDecodeError as error:
-                raise UserError(f"{candidate}: not valid JSON ({error.msg})") from None
+            config = read_json_object(candidate)
+            ModelSpec.from_config(config, str(candidate))
+            return config, candidate
     where = override if override else directory / CONFIG
     raise UserError(
         f"{where}: missing; the model's config.json is required (pass --config for checkpoints without one)"
     )
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file whose top level is an object; anything else is one line naming the file."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise UserError(
+            f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); allowed: a UTF-8 JSON file"
+        ) from None
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path}: not valid JSON ({error.msg}, line {error.lineno} column {error.colno})") from None
+    except (ValueError, RecursionError):  # numbers too long to convert, nesting too deep
+        raise UserError(f"{path}: not valid JSON") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: top level is a JSON {type(data).__name__}; allowed: a JSON object")
+    return data
+
+
+def read_weight_map(index_path: Path) -> dict[str, str]:
+    """An index file's tensor -> shard map, refused unless every shard is a plain relative path inside the
+    checkpoint's directory: a name such as `../x` or `/etc/x` would read files the checkpoint does not own."""
+    index = read_json_object(index_path)
+    if "weight_map" not in index:
+        raise UserError(f"{index_path}: weight_map: required key is missing")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise UserError(
+            f"{index_path}: weight_map: {shown(weight_map)} is not allowed; allowed: a map of tensor names to "
+            "shard file names"
+        )
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise UserError(
+                f"{index_path}: weight_map: {shown_name(name)}: {shown(file)} is not allowed; allowed: a shard file "
+                "name (a string)"
+            )
+        parts = PurePosixPath(file).parts
+        if not parts or PurePosixPath(file).is_absolute() or ".." in parts:
+            raise UserError(
+                f"{index_path}: weight_map: {shown_name(name)}: {shown(file, 300)} is not allowed; allowed: a file "
+                f"inside {index_path.parent} (a relative path without '..')"
+            )
+    return weight_map
 
 
 def hf_names_in_order(spec: ModelSpec, groups: Sequence[Sequence[Rule]]) -> list[str]:
@@ -81,6 +130,17 @@ def hf_names_in_order(spec: ModelSpec, groups: Sequence[Sequence[Rule]]) -> list
     return list(seen)
 
 
+def state_dict_in(root: Any, path: Path) -> dict[Any, Any]:
+    """The dict of tensors a torch.save file holds; any other top level (a stand-in for a class the safe
+    unpickler did not load, a bare tensor, a list) is refused by name of the file."""
+    if not isinstance(root, dict):
+        kind = "an object of a class that is not loaded" if isinstance(root, Opaque) else f"a {type(root).__name__}"
+        raise UserError(
+            f"{path}: holds {kind} at its top level; allowed: a torch.save file of a dict of tensors (a state dict)"
+        )
+    return root
+
+
 # --- Hugging Face ------------------------------------------------------------------------------------------
 
 
@@ -90,7 +150,7 @@ class HfSource:
     def __init__(self, directory: Path, config_override: Path | None) -> None:
         self.directory = directory
         self.config, self.config_path = read_config(directory, config_override)
-        self.spec = ModelSpec.from_config(self.config)
+        self.spec = ModelSpec.from_config(self.config, str(self.config_path))
         self.tensors = self._open_weights()
         shapes = hf_shapes(self.spec)
         missing = [name for name in shapes if name not in self.tensors]
@@ -110,10 +170,11 @@ class HfSource:
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             index_path = d / index_name
             if index_path.is_file():
-                weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+                weight_map = read_weight_map(index_path)
                 absent = sorted({f for f in weight_map.values() if not (d / f).is_file()})
                 if absent:
-                    raise UserError(f"{index_path}: names shard files that do not exist: {', '.join(absent)}")
+                    shown_files = ", ".join(shown_name(f) for f in absent[:5]) + (", ..." if len(absent) > 5 else "")
+                    raise UserError(f"{index_path}: names shard files that do not exist: {shown_files}")
                 return self._open_files([d / f for f in sorted(set(weight_map.values()))])
         files = sorted(d.glob("*.safetensors")) or sorted(d.glob("pytorch_model*.bin")) or sorted(d.glob("*.pt"))
         if not files:
@@ -122,17 +183,20 @@ class HfSource:
 
     @staticmethod
     def _open_files(files: Sequence[Path]) -> dict[str, LazyTensor]:
+        """Every file's tensors; a name found in two files is refused (which one holds the weights?)."""
         tensors: dict[str, LazyTensor] = {}
         for file in files:
-            try:
-                if file.suffix == ".safetensors":
-                    tensors |= open_safetensors(file)
-                else:
-                    root = open_torch_file(file)
-                    state = root.get("state_dict", root) if isinstance(root, dict) else root
-                    tensors |= dict(lazy_tensors(state))
-            except CheckpointError as error:
-                raise UserError(str(error)) from None
+            if file.suffix == ".safetensors":
+                found = open_safetensors(file)
+            else:
+                root = open_torch_file(file)
+                state = root.get("state_dict", root) if isinstance(root, dict) else root
+                found = dict(lazy_tensors(state_dict_in(state, file)))
+            twice = sorted(found.keys() & tensors.keys())
+            if twice:
+                first = tensors[twice[0]].path
+                raise UserError(f"{file}: tensor {shown_name(twice[0])} is also in {first}; allowed: each in one file")
+            tensors |= found
         return tensors
 
     def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -143,10 +207,7 @@ class HfSource:
 
     def read(self, rules: Sequence[Rule]) -> dict[str, torch.Tensor]:
         names = dict.fromkeys(source for rule in rules for source in rule.sources)
-        try:
-            return {name: self.tensors[name].load() for name in names}
-        except CheckpointError as error:
-            raise UserError(str(error)) from None
+        return {name: self.tensors[name].load() for name in names}
 
 
 PlanEntry = tuple[str, torch.dtype, tuple[int, ...]]

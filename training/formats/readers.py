@@ -5,19 +5,23 @@ resident set while the file is mapped, so converting a 16 GB model would still s
 Here a tensor's bytes are read (`os.pread`) only when asked for and freed with the tensor, so a
 conversion holds about one layer. Opening a file reads only its index (safetensors header or the
 pickle of a torch.save archive); unpickling never runs code from the file: unknown globals become
-inert stand-ins, which is enough to find the tensors of NeMo/Lightning checkpoints.
+inert stand-ins, which is enough to find the tensors of NeMo/Lightning checkpoints. Files are untrusted: a
+header or pickle is checked before it is used (every tensor's bytes inside the file and of the size its
+shape and dtype say), and any damage is a CheckpointError naming the file.
 """
 
 from __future__ import annotations
 
 import builtins
 import json
+import math
 import mmap
 import os
 import pickle
 import struct
 import weakref
 import zipfile
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+
+from training.errors import UserError
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -56,8 +62,22 @@ STORAGE_DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be read as what it claims to be (missing, truncated, corrupt)."""
+class CheckpointError(UserError, ValueError):
+    """A checkpoint file that cannot be read as what it claims to be (missing, truncated, corrupt, malformed).
+
+    A UserError, so one that escapes a reader's caller is still reported as one `error:` line, never a traceback.
+    """
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A value read from an untrusted file as a short repr: it cannot break a one-line message or flood it."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def shown_name(name: str) -> str:
+    """A name read from an untrusted file: as it is when printable and short, else as a short repr."""
+    return name if name.isprintable() and len(name) <= 200 else shown(name)
 
 
 @dataclass(frozen=True)
@@ -166,27 +186,155 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 # --- safetensors ----------------------------------------------------------------------------------------
 
 
+# The reference implementation refuses headers larger than this; so does this reader (no 2**64-byte reads).
+SAFETENSORS_MAX_HEADER = 100_000_000
+SAFETENSORS_ENTRY_KEYS = ("dtype", "shape", "data_offsets")
+INT64_MAX = 2**63 - 1
+
+
 def open_safetensors(path: Path) -> dict[str, LazyTensor]:
-    """The tensors of a safetensors file, from its header; checks the file is long enough for all of them."""
+    """The tensors of a safetensors file, from its header, checked as the format requires before it is used.
+
+    A header that lies (offsets that disagree with shape and dtype, overlapping or out-of-file ranges) would
+    otherwise make the converter copy the wrong bytes as weights and succeed; every violation is a
+    CheckpointError naming the file and the tensor.
+    """
     try:
+        size = path.stat().st_size
         with path.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(
+                    f"{path}: not a safetensors file ({size} bytes, less than its 8-byte header length)"
+                )
+            (length,) = struct.unpack("<Q", prefix)
+            if length > size - 8:
+                raise CheckpointError(
+                    f"{path}: not a safetensors file or truncated (header length {length} runs past the end of the "
+                    f"file, {size} bytes)"
+                )
+            if length > SAFETENSORS_MAX_HEADER:
+                raise CheckpointError(
+                    f"{path}: header length {length} is not allowed; allowed: at most {SAFETENSORS_MAX_HEADER} bytes"
+                )
+            raw = handle.read(length)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, MemoryError, OverflowError):
-        raise CheckpointError(f"{path}: not a safetensors file (header unreadable or truncated)") from None
-    start, size = 8 + length, path.stat().st_size
-    tensors = {}
+    return _safetensors_tensors(path, _safetensors_header(path, raw), 8 + length, size)
+
+
+def _safetensors_header(path: Path, raw: bytes) -> dict[str, Any]:
+    """The header as a JSON object whose names each appear once (JSON would silently keep the last)."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in found:
+                raise CheckpointError(f"{path}: {shown_name(key)} appears twice in the header; allowed: each name once")
+            found[key] = value
+        return found
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
+    except CheckpointError:
+        raise
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path}: header is not UTF-8 ({error.reason} at byte {8 + error.start})") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(
+            f"{path}: header is not valid JSON ({error.msg}, line {error.lineno} column {error.colno})"
+        ) from None
+    except (ValueError, RecursionError):  # numbers too long to convert, nesting too deep
+        raise CheckpointError(f"{path}: header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{path}: header is a JSON {type(header).__name__}; allowed: a JSON object of tensor entries"
+        )
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict):
+        raise CheckpointError(
+            f"{path}: __metadata__: {shown(metadata)} is not allowed; allowed: a map of strings to strings"
+        )
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise CheckpointError(
+                f"{path}: __metadata__: {shown_name(key)}: {shown(value)} is not allowed; allowed: a string "
+                "(__metadata__ maps strings to strings)"
+            )
+    return header
+
+
+def _safetensors_tensors(path: Path, header: dict[str, Any], start: int, size: int) -> dict[str, LazyTensor]:
+    """Each entry checked (dtype, shape, offsets within the data and matching shape x dtype), then the whole:
+    tensors stored back to back from the first data byte to the last, as the format requires."""
+    data_size = size - start
+    tensors: dict[str, LazyTensor] = {}
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        begin, end = entry["data_offsets"]
-        if start + end > size:
-            raise CheckpointError(f"{path}: truncated ({name} ends at byte {start + end}, the file has {size})")
-        shape = tuple(entry["shape"])
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-        tensors[name] = LazyTensor(path, start + begin, end - begin, dtype, shape, _contiguous_stride(shape))
+        where = f"{path}: tensor {shown_name(name)}"
+        if not isinstance(entry, dict):
+            raise CheckpointError(
+                f"{where}: {shown(entry)} is not allowed; allowed: an object with dtype, shape and data_offsets"
+            )
+        for key in SAFETENSORS_ENTRY_KEYS:
+            if key not in entry:
+                raise CheckpointError(f"{where}: {key}: required key is missing")
+        dtype_name, shape, offsets = (entry[key] for key in SAFETENSORS_ENTRY_KEYS)
+        if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
+            raise CheckpointError(
+                f"{where}: dtype: {shown(dtype_name)} is not allowed; allowed: {', '.join(SAFETENSORS_DTYPES)}"
+            )
+        if not (
+            isinstance(shape, list)
+            and all(type(dim) is int and dim >= 0 for dim in shape)
+            and math.prod(max(dim, 1) for dim in shape) <= INT64_MAX
+        ):
+            raise CheckpointError(
+                f"{where}: shape: {shown(shape)} is not allowed; allowed: a list of integers of 0 or more "
+                "(with a product below 2**63)"
+            )
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(offset) is int for offset in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise CheckpointError(
+                f"{where}: data_offsets: {shown(offsets)} is not allowed; allowed: [begin, end] with 0 <= begin <= end"
+            )
+        begin, end = offsets
+        if end > data_size:
+            raise CheckpointError(
+                f"{path}: truncated ({shown_name(name)} ends at byte {start + end}, the file has {size})"
+            )
+        dtype = SAFETENSORS_DTYPES[dtype_name]
+        expected = math.prod(shape) * dtype.itemsize
+        if end - begin != expected:
+            raise CheckpointError(
+                f"{where}: data_offsets: [{begin}, {end}] is not allowed; allowed: a range of {expected} bytes "
+                f"(shape {shape} of {dtype_name}), not {end - begin}"
+            )
+        shape_tuple = tuple(shape)
+        tensors[name] = LazyTensor(
+            path, start + begin, end - begin, dtype, shape_tuple, _contiguous_stride(shape_tuple)
+        )
+        spans.append((begin, end, name))
+    position, previous = 0, ""
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            problem = f"overlaps {shown_name(previous)}" if begin < position else "leaves a gap before it"
+            raise CheckpointError(
+                f"{path}: tensor {shown_name(name)}: data_offsets: [{begin}, {end}] {problem}; allowed: a begin of "
+                f"{position}, the end of the data before it (the format stores tensors back to back)"
+            )
+        position, previous = end, name
+    if position != data_size:
+        raise CheckpointError(
+            f"{path}: {data_size - position} bytes after the last tensor's data; allowed: a file that ends with its "
+            "last tensor"
+        )
     return tensors
 
 
@@ -237,12 +385,14 @@ class _LazyUnpickler(pickle.Unpickler):
         self._path = path
 
     def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CheckpointError(f"{self._path}: unsupported persistent id in pickle")
         _, storage_type, key, _location, numel = pid
         if not isinstance(storage_type, _StorageType):
             raise CheckpointError(f"{self._path}: unsupported storage type in pickle")
-        return _StorageRef(str(key), STORAGE_DTYPES[storage_type.name], int(numel))
+        if not isinstance(key, str) or type(numel) is not int or numel < 0:
+            raise CheckpointError(f"{self._path}: storage {shown(key)} of {shown(numel)} elements in pickle is invalid")
+        return _StorageRef(key, STORAGE_DTYPES[storage_type.name], numel)
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2") or (module, name) == (
@@ -262,12 +412,60 @@ class _LazyUnpickler(pickle.Unpickler):
             return getattr(builtins, name)
         return Opaque
 
-    def _rebuild(self, storage: _StorageRef, storage_offset: int, size: Any, stride: Any, *args: Any) -> LazyTensor:
+    def _rebuild(self, storage: Any, storage_offset: Any, size: Any, stride: Any, *args: Any) -> LazyTensor:
+        """A tensor's place in the file, once its view is known to lie inside its storage (a view reaching past
+        it would read other tensors' bytes, or past the end of the file)."""
+        if not isinstance(storage, _StorageRef):
+            raise CheckpointError(f"{self._path}: a tensor in the pickle has no storage")
         offset, length = self._locate(storage)
         expected = storage.numel * storage.dtype.itemsize
         if length != expected:
-            raise CheckpointError(f"{self._path}: storage {storage.key} holds {length} bytes, expected {expected}")
-        return LazyTensor(self._path, offset, length, storage.dtype, tuple(size), tuple(stride), int(storage_offset))
+            raise CheckpointError(
+                f"{self._path}: storage {shown_name(storage.key)} holds {length} bytes, expected {expected}"
+            )
+        if not (
+            _naturals(size)
+            and _naturals(stride)
+            and len(size) == len(stride)
+            and type(storage_offset) is int
+            and storage_offset >= 0
+        ):
+            raise CheckpointError(
+                f"{self._path}: a tensor of storage {shown_name(storage.key)} has an invalid view (size {shown(size)}, "
+                f"stride {shown(stride)}, offset {shown(storage_offset)})"
+            )
+        if all(size):
+            reach = storage_offset + sum((extent - 1) * step for extent, step in zip(size, stride, strict=True)) + 1
+            if reach > storage.numel:
+                raise CheckpointError(
+                    f"{self._path}: a tensor of storage {shown_name(storage.key)} reaches element {reach - 1}, "
+                    f"past its {storage.numel} elements"
+                )
+        return LazyTensor(self._path, offset, length, storage.dtype, tuple(size), tuple(stride), storage_offset)
+
+
+def _naturals(value: Any) -> bool:
+    """A tuple or list of integers of 0 or more, as a tensor's size and stride are pickled."""
+    return isinstance(value, tuple | list) and all(type(item) is int and 0 <= item <= INT64_MAX for item in value)
+
+
+# What unpickling a damaged or hostile pickle with this module's stand-ins can raise: all of it is the file's fault.
+_UNPICKLING_ERRORS = (
+    pickle.UnpicklingError,
+    EOFError,
+    zipfile.BadZipFile,
+    zlib.error,
+    NotImplementedError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    KeyError,
+    IndexError,
+    struct.error,
+    OverflowError,
+    MemoryError,
+    RecursionError,
+)
 
 
 def open_torch_file(path: Path) -> Any:
@@ -276,7 +474,7 @@ def open_torch_file(path: Path) -> Any:
         archive = zipfile.ZipFile(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
-    except (zipfile.BadZipFile, OSError):
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error, OverflowError, EOFError, NotImplementedError):
         raise CheckpointError(f"{path}: not a readable torch.save archive (truncated or corrupt)") from None
     with archive:
         names = archive.namelist()
@@ -290,7 +488,7 @@ def open_torch_file(path: Path) -> Any:
             def locate(storage: _StorageRef) -> tuple[int, int]:
                 info = records.get(f"{prefix}data/{storage.key}")
                 if info is None:
-                    raise CheckpointError(f"{path}: storage {storage.key} is missing from the archive")
+                    raise CheckpointError(f"{path}: storage {shown_name(storage.key)} is missing from the archive")
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise CheckpointError(f"{path}: compressed storage records are not supported")
                 handle.seek(info.header_offset)
@@ -302,8 +500,11 @@ def open_torch_file(path: Path) -> Any:
 
             try:
                 return _LazyUnpickler(archive.read(pickles[0]), locate, path).load()
-            except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as error:
-                raise CheckpointError(f"{path}: corrupt pickle ({error})") from None
+            except CheckpointError:
+                raise
+            except _UNPICKLING_ERRORS as error:
+                reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+                raise CheckpointError(f"{path}: corrupt pickle ({reason})") from None
 
 
 def open_xser(path: Path) -> Any:

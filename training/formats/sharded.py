@@ -20,7 +20,7 @@ import torch
 
 from training.config.model import Format, ModelSpec, Parallelism, check_parallelism
 from training.errors import UserError
-from training.formats.hf import hf_names_in_order, read_config
+from training.formats.hf import hf_names_in_order, read_config, state_dict_in
 from training.formats.layouts import Chunk, Concatenate, Fuse, Rule, Unfuse, all_rules, hf_shapes
 from training.formats.readers import (
     CheckpointError,
@@ -74,25 +74,63 @@ def resolve_nxd_directory(directory: Path, *, force: bool) -> Path:
 class ShardedSource:
     """An NxD or NeMo checkpoint; degrees and QKV options are inferred from the files."""
 
-    def __init__(self, layout: Format, directory: Path, config_override: Path | None, *, force: bool) -> None:
+    def __init__(
+        self, layout: Format, directory: Path, config_override: Path | None, *, force: bool, check_shapes: bool = True
+    ) -> None:
+        """`check_shapes=False` is for a reader that checks every tensor's shape itself (the training loader):
+        the check works the shapes out on meta tensors, whose first use imports parts of torch (seconds)."""
         self.layout = layout
         self.directory = resolve_nxd_directory(directory, force=force) if layout == "nxd" else directory
         if layout == "nemo" and not directory.is_dir():
             raise UserError(f"{directory}: no such directory")
         self.config, self.config_path = read_config(self.directory, config_override)
-        self.spec = ModelSpec.from_config(self.config)
+        self.spec = ModelSpec.from_config(self.config, str(self.config_path))
         files = self._rank_files()
-        self.parallelism = self._infer_parallelism(files)
+        first = self._tensors_in(files[(0, 0)])
+        self.parallelism = self._infer_parallelism(files, first)
         check_parallelism(self.spec, self.parallelism, layout)
-        self.ranks: dict[tuple[int, int], dict[str, LazyTensor]] = {}
-        for rank, file in files.items():
-            try:
-                root = open_checkpoint_file(file)
-            except CheckpointError as error:
-                raise UserError(str(error)) from None
-            state = root["state_dict"] if layout == "nemo" and isinstance(root, dict) and "state_dict" in root else root
-            self.ranks[rank] = dict(lazy_tensors(state))
+        self.ranks: dict[tuple[int, int], dict[str, LazyTensor]] = {
+            rank: first if rank == (0, 0) else self._tensors_in(file) for rank, file in files.items()
+        }
         self.groups = all_rules(self.spec, self.parallelism, layout)
+        if check_shapes:
+            self._check_shards(files)
+
+    def _check_shards(self, files: dict[tuple[int, int], Path]) -> None:
+        """Every rank's tensor has the shape this model's layout gives it and one dtype across ranks: a
+        shard of another shape would be cut into wrong rows, or stop a write halfway with a traceback."""
+        shapes = hf_shapes(self.spec)
+        # Every layer is cut alike: the shapes are worked out (on meta tensors) once per kind of tensor and rank.
+        known: dict[tuple[str, int], list[int]] = {}
+        for rules in self.groups:
+            for rule in rules:
+                sources = [torch.empty(shapes[name], device="meta") for name in rule.sources]
+                kind = re.sub(r"\d+", "#", rule.target) + repr([shapes[name] for name in rule.sources])
+                dtypes = set()
+                for tp in range(self.parallelism.tp):
+                    file = files[(tp, rule.stage)]
+                    tensor = self.ranks[(tp, rule.stage)].get(rule.target)
+                    if tensor is None:
+                        raise UserError(f"{file}: tensor {rule.target}: missing; this model's layout needs it")
+                    if (kind, tp) not in known:
+                        known[(kind, tp)] = list(rule.split(sources, tp).shape)
+                    expected = known[(kind, tp)]
+                    if list(tensor.shape) != expected:
+                        raise UserError(
+                            f"{file}: tensor {rule.target}: shape {list(tensor.shape)} is not allowed; allowed: "
+                            f"{expected} (this model's tp {tp} shard at {self.parallelism.tp}-way tensor parallelism)"
+                        )
+                    dtypes.add(tensor.dtype)
+                if len(dtypes) > 1:
+                    listing = ", ".join(sorted(str(dtype) for dtype in dtypes))
+                    raise UserError(f"{self.directory}: {rule.target} has different dtypes across ranks ({listing})")
+
+    def _tensors_in(self, file: Path) -> dict[str, LazyTensor]:
+        """A rank file's tensors by name, read by the safe unpickler; a file without a state dict is refused."""
+        root = open_checkpoint_file(file)
+        if self.layout == "nemo" and isinstance(root, dict) and "state_dict" in root:
+            root = root["state_dict"]
+        return dict(lazy_tensors(state_dict_in(root, file)))
 
     def _rank_files(self) -> dict[tuple[int, int], Path]:
         files: dict[tuple[int, int], Path] = {}
@@ -121,19 +159,18 @@ class ShardedSource:
             raise UserError(f"{self.directory}: rank files missing for {', '.join(absent[:4])}")
         return files
 
-    def _infer_parallelism(self, files: dict[tuple[int, int], Path]) -> Parallelism:
+    def _infer_parallelism(self, files: dict[tuple[int, int], Path], first: dict[str, LazyTensor]) -> Parallelism:
         tp = 1 + max(t for t, _ in files)
         pp = 1 + max(p for _, p in files)
         if self.layout == "nemo":
             return Parallelism(tp=tp, pp=pp)
-        first = {name: tensor for name, tensor in lazy_tensors(open_checkpoint_file(files[(0, 0)]))}
         prefix = "model.layers.0.self_attn.qkv_proj."
         fuse = f"{prefix}weight_qkv" in first
         if fuse:
             q_rows = self.spec.num_heads * self.spec.head_dim // tp
-            kv_rows = (first[f"{prefix}weight_qkv"].shape[0] - q_rows) // 2
+            kv_rows = ((first[f"{prefix}weight_qkv"].shape or (0,))[0] - q_rows) // 2
         elif f"{prefix}weight_k" in first:
-            kv_rows = first[f"{prefix}weight_k"].shape[0]
+            kv_rows = (first[f"{prefix}weight_k"].shape or (0,))[0]  # a 0-d tensor: refused by the shape check
         else:
             raise UserError(f"{files[(0, 0)]}: no {prefix}weight_k or weight_qkv; not an NxD Llama/Mixtral checkpoint")
         multiplier = kv_rows * tp // (self.spec.num_kv_heads * self.spec.head_dim)

@@ -13,7 +13,9 @@ converter's readers on both backends, so there is one reader of the layout.
 
 from __future__ import annotations
 
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from training.errors import UserError
-from training.formats.readers import CheckpointError
+from training.formats.readers import CheckpointError, shown
 from training.formats.sharded import STEP_DIR, ShardedSource, nxd_rank_file
 from training.model import parallel
 from training.model.transformer import CausalLM
@@ -131,7 +133,19 @@ def load_weights(directory: Path, step: int, model: CausalLM) -> None:
 
         nxd_load(str(directory), tag=target.name, model=model, strict=True)
         return
-    model.load_state_dict(torch.load(nxd_rank_file(target, parallel.tp_rank(), parallel.pp_rank()), weights_only=True))
+    path = nxd_rank_file(target, parallel.tp_rank(), parallel.pp_rank())
+    state = _load_plain(path)
+    expected = model.state_dict()
+    if not isinstance(state, dict) or set(state) != set(expected):
+        names = sorted(set(expected) ^ set(state)) if isinstance(state, dict) else []
+        detail = f" (differs in {', '.join(map(shown, names[:3]))})" if names else ""
+        raise UserError(f"{path}: not this model's state dict{detail}; allowed: a checkpoint of this recipe's model")
+    for name, tensor in expected.items():
+        loaded = state[name]
+        if not isinstance(loaded, torch.Tensor) or loaded.shape != tensor.shape:
+            found = list(loaded.shape) if isinstance(loaded, torch.Tensor) else type(loaded).__name__
+            raise UserError(f"{path}: {name}: {found} is not allowed; allowed: a tensor of shape {list(tensor.shape)}")
+    model.load_state_dict(state)
 
 
 def _optimizer_file(target: Path) -> Path:
@@ -150,19 +164,56 @@ def load_training_state(directory: Path, step: int, optimizer: TrainingOptimizer
             nxd_load(str(directory), tag=target.name, optimizer=optimizer.inner, scheduler=optimizer.scheduler) or {}
         )
     else:
-        optimizer.load_state_dict(torch.load(_optimizer_file(target), weights_only=True))
-        optimizer.scheduler.load_state_dict(torch.load(target / "scheduler.pt", weights_only=True))
-        content = dict(torch.load(target / "user_content.pt", weights_only=True))
+        # Every file is read and checked before any state is changed.
+        optimizer_state = _load_mapping(_optimizer_file(target), "the optimizer's state dict")
+        scheduler_state = _load_mapping(target / "scheduler.pt", "the schedule's state ({'last_epoch': step})")
+        content = _load_mapping(target / "user_content.pt", "the run's position ({'step': step, ...})")
+        for path, state, key in (
+            (target / "scheduler.pt", scheduler_state, "last_epoch"),
+            (target / "user_content.pt", content, "step"),
+        ):
+            if type(state.get(key)) is not int or state[key] < 0:
+                raise UserError(
+                    f"{path}: {key}: {shown(state.get(key))} is not allowed; allowed: a step number, 0 or more"
+                )
+        optimizer.load_state_dict(optimizer_state)
+        optimizer.scheduler.load_state_dict(scheduler_state)
     rng_file = target / "rng" / f"rank_{parallel.world_rank():05d}.pt"
     if rng_file.is_file():
-        _restore_rng(torch.load(rng_file, weights_only=False))
+        _restore_rng(_load_plain(rng_file), rng_file)
     return content
+
+
+def _load_plain(path: Path) -> Any:
+    """torch.load that can never run code from the file: `weights_only` unpickles tensors and plain data
+    (numbers, strings, lists, tuples, dicts) and refuses every other global, so a pickle planted on shared
+    storage is reported instead of executed. Refusals and damage are one line naming the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))
+        what = f"refused to unpickle {found.group(1)} (it could run code)" if found else "refused to unpickle it"
+        raise UserError(
+            f"{path}: {what}; allowed: a torch.save file of tensors, numbers, strings, lists, tuples and dicts"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as error:  # torch's zip reader: truncated or not an archive
+        reason = str(error).splitlines()[0][:120] if str(error) else type(error).__name__
+        raise UserError(f"{path}: not a readable torch.save file, truncated or corrupt ({reason})") from None
+
+
+def _load_mapping(path: Path, what: str) -> dict[str, Any]:
+    """`_load_plain` of a file that must hold a dict."""
+    value = _load_plain(path)
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: holds a {type(value).__name__}; allowed: a dict, {what}")
+    return value
 
 
 def load_pretrained(directory: Path, config_path: Path, model: CausalLM) -> None:
     """This rank's shard of a `convert --to nxd` output (plain or xser), checked against the model's layout."""
     try:
-        source = ShardedSource("nxd", directory, config_path, force=False)
+        # Every tensor's shape is checked against the model's parameter below.
+        source = ShardedSource("nxd", directory, config_path, force=False, check_shapes=False)
     except CheckpointError as error:
         raise UserError(f"model.pretrained {directory}: {error}") from None
     wanted, found = model.parallelism, source.parallelism
@@ -194,10 +245,54 @@ def load_pretrained(directory: Path, config_path: Path, model: CausalLM) -> None
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every generator's state as tensors, ints, floats, strings and dicts only, so that `weights_only` loads it
+    back: Python's Mersenne Twister words and numpy's key as int64 tensors (numpy arrays would need a pickled
+    numpy global), torch's as its ByteTensor."""
+    version, words, gauss_next = random.getstate()
+    numpy_state = np.random.get_state(legacy=False)
+    return {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss_next},
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+    }
 
 
-def _restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+def _restore_rng(state: Any, path: Path) -> None:
+    """Sets the generators from `_rng_state`'s form, after checking it is that form (any other is one line)."""
+    try:
+        torch_state, python, numpy_state = state["torch"], state["python"], state["numpy"]
+        words, key = python["words"], numpy_state["key"]
+        if not (
+            isinstance(torch_state, torch.Tensor)
+            and torch_state.dtype == torch.uint8
+            and isinstance(words, torch.Tensor)
+            and isinstance(key, torch.Tensor)
+            and words.dtype == key.dtype == torch.int64
+            and int(words.min()) >= 0
+            and int(key.min()) >= 0
+            and int(key.max()) < 2**32
+            and (python["gauss_next"] is None or isinstance(python["gauss_next"], float))
+        ):
+            raise ValueError("values of the wrong type or range")
+        python_state = (int(python["version"]), tuple(int(word) for word in words.tolist()), python["gauss_next"])
+        numpy_dict = {
+            "bit_generator": str(numpy_state["bit_generator"]),
+            "state": {"key": key.numpy().astype(np.uint32), "pos": int(numpy_state["pos"])},
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        }
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        np.random.set_state(numpy_dict)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as error:
+        reason = str(error).splitlines()[0][:120] if str(error) else type(error).__name__
+        raise UserError(
+            f"{path}: not a random generator state this version writes ({reason}); allowed: the rng file of a "
+            "checkpoint saved by this training code"
+        ) from None
