@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import ROOT
 from tests.training.conftest import sample_documents, train_tokenizer, write_jsonl
+from training import outputs
 from training.cli import main
 from training.data.prepare import PretrainOptions, prepare_pretrain
 from training.errors import UserError
@@ -160,7 +161,9 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(llama_tokenizer: Pat
 
 
 def test_leftovers_of_a_killed_run_are_removed(corpus: Path, llama_tokenizer: Path, tmp_path: Path) -> None:
-    stale = tmp_path / ".out.tmp-999999999"
+    killed = subprocess.Popen(["true"])
+    killed.wait()
+    stale = tmp_path / outputs.sibling_name("out", "tmp", replace(outputs.current_owner(), pid=killed.pid))
     stale.mkdir()
     (stale / "data-00000-of-00001.arrow").write_bytes(b"partial")
     prepare_pretrain(options(corpus, llama_tokenizer, tmp_path / "out"))

@@ -85,7 +85,10 @@ def prepare_pretrain(options: PretrainOptions) -> dict[str, Any]:
     documents = 0
     tokens = 0
     packer = BlockPacker(options.seq_len)
-    with atomic_directory(options.out) as output, scratch_directory(options.out) as scratch:
+    with (
+        atomic_directory(options.out, overwrite=options.overwrite) as output,
+        scratch_directory(options.out) as scratch,
+    ):
         writer = BlockWriter(scratch / "blocks.arrow", ("input_ids",), options.seq_len)
         texts = iter_records(
             source,
@@ -168,7 +171,10 @@ def prepare_sft(options: SftOptions) -> dict[str, Any]:
 
     started = time.monotonic()
     split_manifests = {}
-    with atomic_directory(options.out) as output, scratch_directory(options.out) as scratch:
+    with (
+        atomic_directory(options.out, overwrite=options.overwrite) as output,
+        scratch_directory(options.out) as scratch,
+    ):
         produced = {}
         for name, (split_source, split) in splits.items():
             writer = BlockWriter(scratch / f"{name}.arrow", ("input_ids", "labels"), options.seq_len)
