@@ -134,6 +134,65 @@ RULES = {
         "environments-under-test/candidate.yaml: storage.fsx_capacity_gib: 3600 is not allowed; "
         "allowed: 1200 or a multiple of 2400 (2400, 4800, ...) for SCRATCH_2",
     ),
+    "fsx capacity negative": (
+        {"storage.fsx_capacity_gib": -2400},
+        "environments-under-test/candidate.yaml: storage.fsx_capacity_gib: -2400 is not allowed; "
+        "allowed: 1200 or a multiple of 2400 (2400, 4800, ...) for SCRATCH_2",
+    ),
+    "fsx capacity beyond the scratch quota": (
+        {"storage.fsx_capacity_gib": 103200},
+        "environments-under-test/candidate.yaml: storage.fsx_capacity_gib: 103200 is not allowed; "
+        "allowed: at most 100800 GiB for SCRATCH_2 (FSx for Lustre's default scratch storage quota per account "
+        "and region)",
+    ),
+    "compute root volume beyond gp3's 16 TiB": (
+        {"compute.root_volume_gib": 16385},
+        "environments-under-test/candidate.yaml: compute.root_volume_gib: 16385 is not allowed; "
+        "allowed: 40 to 16384 GiB (Neuron recommends at least 512 on compute nodes)",
+    ),
+    "head node root volume below the image": (
+        {"head_node.root_volume_gib": 39},
+        "environments-under-test/candidate.yaml: head_node.root_volume_gib: 39 is not allowed; "
+        "allowed: 40 to 16384 GiB (Neuron recommends at least 512 on compute nodes)",
+    ),
+    "cpu queue root volume beyond gp3's 16 TiB": (
+        {"cpu_queue.root_volume_gib": 20000},
+        "environments-under-test/candidate.yaml: cpu_queue.root_volume_gib: 20000 is not allowed; "
+        "allowed: 40 to 16384 GiB (Neuron recommends at least 512 on compute nodes)",
+    ),
+    "compute nodes negative": (
+        {"compute.min_count": -1},
+        "environments-under-test/candidate.yaml: compute.min_count: -1 is not allowed; "
+        "allowed: 0 (scale to zero) or more",
+    ),
+    "no cpu nodes": (
+        {"cpu_queue.max_count": 0},
+        "environments-under-test/candidate.yaml: cpu_queue.max_count: 0 is not allowed; allowed: 1 or more",
+    ),
+    "pipeline run zero": (
+        {"pipeline.run": 0},
+        "environments-under-test/candidate.yaml: pipeline.run: 0 is not allowed; allowed: a run number of 1 or more",
+    ),
+    "pipeline timeout zero": (
+        {"pipeline.timeout_minutes": 0},
+        "environments-under-test/candidate.yaml: pipeline.timeout_minutes: 0 is not allowed; allowed: 1 to 55 "
+        "(CloudFormation waits an hour)",
+    ),
+    "newline in a tag": (
+        {"tags.project": "trainium\nrm -rf /"},
+        "environments-under-test/candidate.yaml: tags.project: 'trainium\\nrm -rf /' is not allowed; allowed: one "
+        "line of text without control characters (newline, carriage return, tab, NUL, escape)",
+    ),
+    "newline in a pipeline override": (
+        {"pipeline.overrides": ["steps=100\nname=x"]},
+        "environments-under-test/candidate.yaml: pipeline.overrides[0]: 'steps=100\\nname=x' is not allowed; "
+        "allowed: one line of text without control characters (newline, carriage return, tab, NUL, escape)",
+    ),
+    "recipe override out of range": (
+        {"pipeline.overrides": ["optimizer.lr=.nan"]},
+        "environments-under-test/candidate.yaml: pipeline.overrides: ['optimizer.lr=.nan'] is not allowed; allowed: "
+        "what recipe llama31-8b-cpt accepts (optimizer.lr: nan is not allowed; allowed: a finite number above 0)",
+    ),
     "cluster name pattern": (
         {"cluster_name": "1st_cluster"},
         "environments-under-test/candidate.yaml: cluster_name: '1st_cluster' is not allowed; "
@@ -329,6 +388,22 @@ def test_app_rejects_bad_environment_without_traceback_or_output(tmp_path: Path)
     assert "Traceback" not in result.stderr
     # The CDK App creates its output directory when constructed; nothing may be written into it.
     assert not any((tmp_path / "out").iterdir())
+
+
+def test_a_file_that_is_not_utf8_or_not_yaml_is_one_line(env_dir: Path) -> None:
+    path = write_environment(env_dir, {})
+    path.write_bytes(path.read_bytes() + "# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as raised:
+        load_environment("candidate", env_dir)
+    assert str(raised.value).startswith("environments-under-test/candidate.yaml: not UTF-8 text (invalid")
+    assert "\n" not in str(raised.value)
+    path.write_text("region: [us-west-2\n")
+    with pytest.raises(ConfigError) as raised:
+        load_environment("candidate", env_dir)
+    assert str(raised.value) == (
+        "environments-under-test/candidate.yaml: not valid YAML: expected ',' or ']', but got '<stream end>' at "
+        "line 2, column 1 (while parsing a flow sequence)"
+    )
 
 
 def test_duplicate_keys_are_reported_with_their_lines(env_dir: Path) -> None:

@@ -112,7 +112,21 @@ CASES: dict[str, Bad] = {
     ),
     "site file missing": Bad("status --site {tmp}/no-site.yaml", "{tmp}/no-site.yaml: cannot read"),
     "site file not YAML": Bad("status --site {tmp}/broken.yaml", "{tmp}/broken.yaml: not valid YAML"),
-    "site file not UTF-8": Bad("status --site {tmp}/latin1.yaml", "UTF-8"),
+    "site file not UTF-8": Bad("status --site {tmp}/latin1.yaml", "{tmp}/latin1.yaml: not UTF-8 text"),
+    "site file with a key twice": Bad("status --site {tmp}/twice.yaml", "runs_root: appears twice (lines 1 and 2)"),
+    "site file with a stray colon": Bad(
+        "status --site {tmp}/stray-colon.yaml", "mapping values are not allowed here at line 1, column 16"
+    ),
+    "status of a run outside runs_root": Bad(f"status --run-id .. {SITE}", "--run-id '..'"),
+    "cancel of a path instead of a run": Bad(f"cancel --run-id ../../etc {SITE}", "--run-id '../../etc'"),
+    "validation split the data lacks": Bad(
+        train("data.validation_split=validation data.validation_every=2"), "data.validation_split: 'validation'"
+    ),
+    "a split the data lacks": Bad(train("data.split=test"), "data.split: 'test' is not allowed"),
+    "learning rate not a number": Bad(train("optimizer.lr=.nan"), "optimizer.lr"),
+    "learning rate infinite": Bad(train("optimizer.lr=.inf"), "optimizer.lr"),
+    "recipe file not YAML": Bad("train --recipe {tmp}/broken.yaml", "{tmp}/broken.yaml: not valid YAML"),
+    "recipe file not UTF-8": Bad("train --recipe {tmp}/latin1.yaml", "{tmp}/latin1.yaml: not UTF-8 text"),
     "site file with an unknown key": Bad("status --site {tmp}/unknown-key.yaml", "colour: unknown key"),
     "site file with a wrong type": Bad("status --site {tmp}/wrong-type.yaml", "python: 3 is not allowed"),
     "site file not a mapping": Bad("status --site {tmp}/list.yaml", "top level must be a mapping"),
@@ -148,6 +162,8 @@ def populate(tmp: Path) -> None:
     (tmp / "unknown-key.yaml").write_text("colour: red\n")
     (tmp / "wrong-type.yaml").write_text("python: 3\n")
     (tmp / "list.yaml").write_text("- a\n- b\n")
+    (tmp / "twice.yaml").write_text("runs_root: a\nruns_root: b\n")
+    (tmp / "stray-colon.yaml").write_text("python: python3: -u\n")
 
 
 def tree(root: Path) -> set[str]:

@@ -76,7 +76,7 @@ def test_every_problem_is_reported_at_once_one_line_each(tmp_path: Path) -> None
     ("overrides", "problem"),
     [
         (["steps=0"], "steps: 0 is not allowed; allowed: an integer above 0"),
-        (["optimizer.lr=-1.0e-4"], "optimizer.lr: -0.0001 is not allowed; allowed: a number above 0"),
+        (["optimizer.lr=-1.0e-4"], "optimizer.lr: -0.0001 is not allowed; allowed: a finite number above 0"),
         (["optimizer.betas=[0.9]"], "optimizer.betas: [0.9] is not allowed; allowed: a list of 2 numbers"),
         (["sample.prompts=[1]"], "sample.prompts[0]: 1 is not allowed; allowed: a string"),
         (["parallelism.tp=true"], "parallelism.tp: True is not allowed; allowed: an integer"),

@@ -9,6 +9,7 @@ here: ...`, `file: key: required key is missing`), and all of a file's problems 
 from __future__ import annotations
 
 import json
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -17,9 +18,9 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from training.errors import UserError
 
@@ -55,20 +56,63 @@ def _yaml_number(value: Any) -> Any:
     return value
 
 
-# Scalars as a reviewed file spells them: no "4" for 4, no `yes` for a count, no 1 for true.
+# C0 control characters and DEL: a newline in a value would start a new line of a job script (or of an
+# error message), a carriage return or an escape would hide text on a terminal; no setting needs one.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
+CONTROL_CHARACTERS_ERROR = "control_characters"
+ONE_LINE = "one line of text without control characters (newline, carriage return, tab, NUL, escape)"
+
+
+def has_control_characters(text: str) -> bool:
+    return CONTROL_CHARACTERS.search(text) is not None
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters escaped, so a key read from a file cannot split a problem line."""
+    return CONTROL_CHARACTERS.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
+def _one_line(value: str) -> str:
+    if has_control_characters(value):
+        raise PydanticCustomError(CONTROL_CHARACTERS_ERROR, "contains a control character")
+    return value
+
+
+# Scalars as a reviewed file spells them: no "4" for 4, no `yes` for a count, no 1 for true. Every string of a
+# settings file may reach a job script or a command line, so `Str` is one line; free text (a prompt the model
+# answers, which only Python reads) is `Text`.
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
-Str = Annotated[str, Strict()]
+Str = Annotated[str, Strict(), AfterValidator(_one_line)]
+Text = Annotated[str, Strict()]
+# The YAML-number conversion is listed last so that it runs first and the constraints stay plain JSON Schema
+# keywords (minimum, exclusiveMaximum, ...) that an editor checks.
 Float = Annotated[
-    float, BeforeValidator(_yaml_number), Strict(), Field(allow_inf_nan=False), Allowed("a finite number")
+    float, Strict(), Field(allow_inf_nan=False), BeforeValidator(_yaml_number), Allowed("a finite number")
 ]
 PositiveInt = Annotated[int, Strict(), Field(gt=0), Allowed("an integer above 0")]
 NonNegativeInt = Annotated[int, Strict(), Field(ge=0), Allowed("0 or more")]
 PositiveFloat = Annotated[
-    float, BeforeValidator(_yaml_number), Strict(), Field(gt=0, allow_inf_nan=False), Allowed("a number above 0")
+    float,
+    Strict(),
+    Field(gt=0, allow_inf_nan=False),
+    BeforeValidator(_yaml_number),
+    Allowed("a finite number above 0"),
 ]
 NonNegativeFloat = Annotated[
-    float, BeforeValidator(_yaml_number), Strict(), Field(ge=0, allow_inf_nan=False), Allowed("0 or more")
+    float,
+    Strict(),
+    Field(ge=0, allow_inf_nan=False),
+    BeforeValidator(_yaml_number),
+    Allowed("a finite number, 0 or more"),
+]
+# A coefficient such as an Adam beta: 1 would never forget, so it is excluded.
+Fraction = Annotated[
+    float,
+    Strict(),
+    Field(ge=0, lt=1, allow_inf_nan=False),
+    BeforeValidator(_yaml_number),
+    Allowed("a number from 0 up to, not including, 1"),
 ]
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -85,10 +129,23 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if key in seen:
-                self.duplicates.append(f"{key}: appears twice (lines {seen[key]} and {line}); allowed: each key once")
+                self.duplicates.append(
+                    f"{printable(str(key))}: appears twice (lines {seen[key]} and {line}); allowed: each key once"
+                )
             else:
                 seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's several-line report as one line: what it expected, and where (line and column, 1-based)."""
+    problem = getattr(error, "problem", None)
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    if problem is None:
+        return " ".join(str(error).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(error, "context", None)
+    return f"{problem}{where}" + (f" ({context})" if context else "")
 
 
 def read_yaml(path: Path, label: str) -> Any:
@@ -97,12 +154,16 @@ def read_yaml(path: Path, label: str) -> Any:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise ConfigError([f"{label}: cannot read ({error.strerror})"]) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            [f"{label}: not UTF-8 text ({error.reason} at byte {error.start}); allowed: a UTF-8 YAML file"]
+        ) from None
     loader = _UniqueKeyLoader(text)
     loader.duplicates = []
     try:
         data = loader.get_single_data()
     except yaml.YAMLError as error:
-        raise ConfigError([f"{label}: not valid YAML: {error}".replace("\n", " ")]) from None
+        raise ConfigError([f"{label}: not valid YAML: {yaml_problem(error)}"]) from None
     finally:
         loader.dispose()
     if loader.duplicates:
@@ -154,8 +215,10 @@ def _problem(model: type[BaseModel], detail: ErrorDetails) -> str:
     location = [part for part in detail["loc"] if not _is_validator_tag(part)]
     indices = [part for part in location if isinstance(part, int)]
     keys = [str(part) for part in location if not isinstance(part, int)]
-    key = ".".join(keys) + "".join(f"[{index}]" for index in indices) or "top level"
+    key = printable(".".join(keys) + "".join(f"[{index}]" for index in indices)) or "top level"
     kind = detail["type"]
+    if kind == CONTROL_CHARACTERS_ERROR:
+        return not_allowed(key, detail["input"], ONE_LINE)
     if kind == "extra_forbidden":
         owner = _model_at(model, keys[:-1])
         allowed = ", ".join(_public_names(owner)) if owner else "none"
@@ -168,9 +231,11 @@ def _problem(model: type[BaseModel], detail: ErrorDetails) -> str:
         return f"{key}: required key is missing"
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return not_allowed(key, detail["input"], "a mapping of keys")
+    wrong_kind = kind.endswith(("_type", "_parsing"))  # the wrong kind of value: name the kind that is allowed
     if indices:
-        return not_allowed(key, detail["input"], _describe(_element(annotation, indices[-1]), detail))
-    if kind.endswith(("_type", "_parsing")):  # the wrong kind of value: name the kind that is allowed
+        element = _element(annotation, indices[-1])
+        return not_allowed(key, detail["input"], _describe(element, detail, words=not wrong_kind))
+    if wrong_kind:
         return not_allowed(key, detail["input"], _describe(annotation, detail, words=False))
     words = [item.text for item in (field.metadata if field is not None else []) if isinstance(item, Allowed)]
     return not_allowed(key, detail["input"], words[0] if words else _describe(annotation, detail))

@@ -9,24 +9,27 @@ from __future__ import annotations
 
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field
+from pydantic import Field, Strict
 
 from training.config.loading import (
+    ONE_LINE,
+    Allowed,
     Bool,
     ConfigError,
-    Float,
-    Int,
+    Fraction,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     Str,
     StrictModel,
+    Text,
     build,
     check,
+    has_control_characters,
     not_allowed,
     read_mapping,
 )
@@ -39,6 +42,14 @@ Precision = Literal["fp32", "bf16-mixed", "bf16-sr"]
 ActivationCheckpointing = Literal["none", "selective", "full"]
 FLASH_ATTENTION_BLOCK = 2048  # neuronx-distributed's NKI flash attention takes sequences in multiples of this
 BackendName = Literal["cpu", "neuron"]
+# As `prepare --seq-len` allows: far beyond any model's context; blocks are Arrow lists with 32-bit sizes.
+MAX_SEQ_LEN = 1 << 20
+# Sequences per optimizer step: far beyond any published LLM batch; keeps the divisor hint below instant.
+MAX_GLOBAL_BATCH = 1 << 20
+SeqLen = Annotated[int, Strict(), Field(ge=2, le=MAX_SEQ_LEN), Allowed(f"2 to {MAX_SEQ_LEN} tokens")]
+GlobalBatch = Annotated[int, Strict(), Field(ge=1, le=MAX_GLOBAL_BATCH), Allowed(f"1 to {MAX_GLOBAL_BATCH} sequences")]
+# numpy's legacy seeding (`np.random.seed`, which the training job calls) takes 32-bit unsigned seeds only.
+Seed = Annotated[int, Strict(), Field(ge=0, le=2**32 - 1), Allowed(f"0 to {2**32 - 1}")]
 
 
 class ModelSection(StrictModel):
@@ -96,14 +107,14 @@ class MoeSection(StrictModel):
 
 
 class BatchSection(StrictModel):
-    global_batch: PositiveInt = Field(alias="global", description="sequences per optimizer step")
+    global_batch: GlobalBatch = Field(alias="global", description="sequences per optimizer step")
     micro: PositiveInt = Field(1, description="sequences per forward/backward on one data-parallel rank")
-    seq_len: PositiveInt = 2048
+    seq_len: SeqLen = 2048
 
 
 class OptimizerSection(StrictModel):
     lr: PositiveFloat = Field(description="peak learning rate")
-    betas: tuple[Float, Float] = (0.9, 0.999)
+    betas: tuple[Fraction, Fraction] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
     weight_decay: NonNegativeFloat = Field(0.0, description="AdamW decay, never on norms and biases")
     grad_clip: NonNegativeFloat = Field(1.0, description="global gradient-norm clip; 0 turns clipping off")
@@ -136,10 +147,13 @@ class PrepareSection(StrictModel):
 class SampleSection(StrictModel):
     """The sample stage's check of the trained model: greedy and top-k continuations of a few prompts."""
 
-    prompts: tuple[Str, ...] = ("The capital of France is", "Explain what a GPU is in one sentence.")
+    prompts: tuple[Text, ...] = Field(
+        ("The capital of France is", "Explain what a GPU is in one sentence."),
+        description="free text (newlines allowed): only the sample stage's Python reads them, from recipe.yaml",
+    )
     max_new_tokens: PositiveInt = 48
     top_k: PositiveInt = 50
-    seed: Int = 0
+    seed: Seed = 0
 
 
 class Recipe(StrictModel):
@@ -160,7 +174,7 @@ class Recipe(StrictModel):
         description="bf16-mixed: bf16 weights, fp32 master weights and gradient accumulation (ZeRO-1); bf16-sr: "
         "bf16 weights, gradients and optimizer state with stochastic rounding; fp32",
     )
-    seed: Int = 42
+    seed: Seed = 42
     log_every: PositiveInt = 1
     peak_tflops_per_worker: PositiveFloat = Field(
         95.0, description="hardware peak per worker process for the MFU estimate (NeuronCore-v2: 95 bf16)"
@@ -200,6 +214,8 @@ def load_recipe(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Reci
 
 
 def apply_override(raw: dict[str, Any], override: str, label: str) -> None:
+    if has_control_characters(override):
+        raise UserError(not_allowed("override", override, f"section.key=value as {ONE_LINE}"))
     key, separator, value = override.partition("=")
     if not separator or not key:
         raise UserError(not_allowed("override", override, "section.key=value (e.g. batch.micro=2)"))

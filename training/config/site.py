@@ -7,10 +7,36 @@ On the cluster the file is written by the deployment from the reviewed environme
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, Strict
 
-from training.config.loading import Bool, NonNegativeInt, PositiveInt, Str, StrictModel, build, read_mapping
+from training.config.loading import Allowed, Bool, PositiveInt, Str, StrictModel, build, read_mapping
+
+# Slurm reads `#SBATCH` lines itself (quotes group, `#` starts a comment, whitespace separates), so a value
+# there cannot be shell-quoted: a partition is one or more plain names, comma-separated.
+SlurmPartition = Annotated[
+    str,
+    Strict(),
+    Field(pattern=r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$"),
+    Allowed("a Slurm partition name of letters, digits, '_', '.' and '-' (several: comma-separated)"),
+]
+# The compile cache is one flag inside NEURON_CC_FLAGS, a single string of flags that the Neuron tools split
+# back into flags: whitespace or quotes in the path would not survive that.
+FlagPath = Annotated[
+    str,
+    Strict(),
+    Field(pattern=r"""^[^\s'"\\\x00-\x1f\x7f]+$"""),
+    Allowed("a directory path without whitespace, quotes or backslashes (it is a flag in NEURON_CC_FLAGS)"),
+]
+# Slurm turns `--time` minutes into seconds in a signed 32-bit integer.
+MAX_TIME_MINUTES = (2**31 - 1) // 60
+TimeMinutes = Annotated[
+    int, Strict(), Field(ge=0, le=MAX_TIME_MINUTES), Allowed(f"0 (no limit) to {MAX_TIME_MINUTES} minutes")
+]
+# Slurm counts a job's restarts in 16 bits: beyond that the count wraps and the requeues would never end.
+MAX_RESTARTS = 2**16 - 1
+Restarts = Annotated[int, Strict(), Field(ge=0, le=MAX_RESTARTS), Allowed(f"0 to {MAX_RESTARTS}")]
 
 
 class Site(StrictModel):
@@ -20,12 +46,16 @@ class Site(StrictModel):
         "work/results", description="a directory, or s3://bucket/prefix: the export stage copies there"
     )
     python: Str | None = Field(None, description="interpreter on the nodes (default: the one running `submit`)")
-    setup: tuple[Str, ...] = Field((), description="shell lines run first in every job")
+    setup: tuple[Str, ...] = Field(
+        (), description="shell lines run first in every job, as written (code, one line each)"
+    )
     slurm_bin: Str | None = Field(
         None, description="directory of Slurm's commands (ParallelCluster: /opt/slurm/bin); default: found on PATH"
     )
-    partition: Str | None = None
-    cpu_partition: Str | None = Field(None, description="partition of the single-node CPU stages (default: partition)")
+    partition: SlurmPartition | None = None
+    cpu_partition: SlurmPartition | None = Field(
+        None, description="partition of the single-node CPU stages (default: partition)"
+    )
     processes_per_node: PositiveInt | None = Field(None, description="default: the recipe's tp (one TP group a node)")
     instance_type: Str | None = Field(
         None, description="the training nodes' instance type, which `submit` plans memory against (trn1.32xlarge)"
@@ -33,9 +63,9 @@ class Site(StrictModel):
     exclusive: Bool = False
     neuron: Bool = Field(False, description="Neuron environment variables and neuron_parallel_compile")
     efa: Bool = False
-    compile_cache: Str = "/fsx/neuron-cache"
-    max_restarts: NonNegativeInt = Field(3, description="requeues of a failed training job before it fails for good")
-    time_minutes: NonNegativeInt = Field(0, description="per-job time limit; 0: none")
+    compile_cache: FlagPath = "/fsx/neuron-cache"
+    max_restarts: Restarts = Field(3, description="requeues of a failed training job before it fails for good")
+    time_minutes: TimeMinutes = Field(0, description="per-job time limit; 0: none")
 
 
 def load_site(path: Path | None) -> Site:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from training.config.loading import has_control_characters, not_allowed
 from training.config.precision import NEURON_ENVIRONMENT
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
@@ -29,7 +31,11 @@ from training.train.memory import DEFAULT_HARDWARE, HARDWARE, model_config, refu
 
 TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().parents[2] / "assets" / "slurm"))
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+RUN_ID = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z, unlike $, refuses a trailing newline
+RUN_ID_STAMP = "%Y%m%d-%H%M%S"
+# What Slurm's own parser of `#SBATCH` lines would split, unquote, end as a comment or expand (`%j` in a log
+# path): such a value cannot be quoted for the shell there, so it is refused instead.
+SBATCH_UNSAFE = re.compile(r"[\s'\"\\#%\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -78,10 +84,31 @@ def check_memory(recipe: Recipe, site: Site) -> None:
 
 def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
     """The run's directory, resolved recipe and stages; pure apart from reading the clock for a new id."""
-    run_id = run_id or f"{recipe.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
-    if not RUN_ID.match(run_id):
+    if run_id is None:
+        stamp = datetime.now(timezone.utc).strftime(RUN_ID_STAMP)
+        run_id = f"{recipe.name}-{stamp}"
+        if not RUN_ID.fullmatch(run_id):  # the run id comes from the recipe's name: name that key
+            longest = 64 - len(stamp) - 1
+            raise UserError(
+                not_allowed(
+                    "name",
+                    recipe.name,
+                    f"letters, digits, '.', '_' and '-' (at most {longest}) to start a run id, or pass --run-id",
+                )
+            )
+    if not RUN_ID.fullmatch(run_id):
         raise UserError(f"--run-id {run_id!r}: use letters, digits, '.', '_' and '-' (at most 64)")
-    run_dir = Path(site.runs_root).absolute() / run_id
+    runs_root = Path(site.runs_root).absolute()
+    if SBATCH_UNSAFE.search(str(runs_root)):
+        raise UserError(
+            not_allowed(
+                "runs_root",
+                str(runs_root),
+                "a directory path without whitespace, quotes, '\\', '#' or '%' (Slurm reads the job's log path "
+                "from its #SBATCH --output line itself)",
+            )
+        )
+    run_dir = runs_root / run_id
     settings = recipe_as_dict(recipe)
     settings["model"]["config"] = str(Path(recipe.model.config).absolute())
     skipped = {"prepare"} if recipe.prepare is None else set()
@@ -103,48 +130,84 @@ def _absolute_if_local(source: str) -> str:
     return str(Path(source).absolute()) if Path(source).exists() else source
 
 
+def shell_word(value: Any) -> str:
+    """Jinja2 filter `shell`: one value as one shell word. A control character cannot have got this far (the
+    settings refuse them when they are read); here it would be a bug, so it fails loudly."""
+    text = str(value)
+    if has_control_characters(text):
+        raise ValueError(f"control character in a value rendered into a job script: {text!r}")
+    return shlex.quote(text)
+
+
+def sbatch_value(value: Any) -> str:
+    """Jinja2 filter `sbatch`: a value of an `#SBATCH` line, which Slurm parses itself and the shell never
+    sees, so it is checked instead of quoted (runs_root, the run id and the partitions are refused earlier)."""
+    text = str(value)
+    if SBATCH_UNSAFE.search(text):
+        raise ValueError(f"#SBATCH value that Slurm would split or reinterpret: {text!r}")
+    return text
+
+
+def code_line(value: Any) -> str:
+    """Jinja2 filter `line`: a line of shell code written as it is (the site file's `setup`), which must stay one
+    line."""
+    text = str(value)
+    if has_control_characters(text):
+        raise ValueError(f"control character in a line of shell code: {text!r}")
+    return text
+
+
 def stage_command(plan: RunPlan, stage: Stage) -> str:
-    """The command a single-node stage runs (the distributed ones are in `distributed.sbatch.j2`)."""
-    python, run, settings = _python(plan.site), plan.run_dir, plan.settings
+    """The command a single-node stage runs (the distributed ones are in `distributed.sbatch.j2`), every value
+    shell-quoted: paths, sources and the interpreter come from the recipe and the site file."""
+    q = shell_word
+    python, run, settings = q(_python(plan.site)), plan.run_dir, plan.settings
     if stage.name == "prepare":
         prepare = settings["prepare"]
         arguments = [
-            f"{python} -m training prepare {prepare['kind']}",
-            f"--source {prepare['source']}",
-            f"--tokenizer {prepare['tokenizer']}",
-            f"--seq-len {settings['batch']['seq_len']}",
-            f"--output {run}/data",
+            f"{python} -m training prepare {q(prepare['kind'])}",
+            f"--source {q(prepare['source'])}",
+            f"--tokenizer {q(prepare['tokenizer'])}",
+            f"--seq-len {int(settings['batch']['seq_len'])}",
+            f"--output {q(str(run / 'data'))}",
             '--num-proc "$(nproc)"',
         ]
         if prepare.get("validation"):
-            arguments.append(f"--validation {prepare['validation']}")
+            arguments.append(f"--validation {q(prepare['validation'])}")
         if prepare.get("max_records"):
             limit = "--max-documents" if prepare["kind"] == "pretrain" else "--max-examples"
-            arguments.append(f"{limit} {prepare['max_records']}")
+            arguments.append(f"{limit} {int(prepare['max_records'])}")
         return " \\\n    ".join(arguments)
     if stage.name == "convert-in":
         parallelism = settings["parallelism"]
         arguments = [
             f"{python} -m training convert --from hf --to nxd",
-            f"--input {settings['model']['config']}",
-            f"--output {run}/pretrained_weight",
-            f"--tp {parallelism['tp']}",
+            f"--input {q(settings['model']['config'])}",
+            f"--output {q(str(run / 'pretrained_weight'))}",
+            f"--tp {int(parallelism['tp'])}",
         ]
         if parallelism.get("pp", 1) > 1:
-            arguments.append(f"--pp {parallelism['pp']}")
+            arguments.append(f"--pp {int(parallelism['pp'])}")
         if parallelism.get("kv_size_multiplier"):
-            arguments.append(f"--kv-size-multiplier {parallelism['kv_size_multiplier']}")
+            arguments.append(f"--kv-size-multiplier {int(parallelism['kv_size_multiplier'])}")
         if parallelism.get("fuse_qkv"):
             arguments.append("--fuse-qkv")
         if settings["checkpoint"].get("xser"):
             arguments.append("--xser")
         return " \\\n    ".join(arguments)
     if stage.name == "convert-out":
-        return f"{python} -m training convert --from nxd --to hf --input {run}/checkpoints --output {run}/hf"
+        return (
+            f"{python} -m training convert --from nxd --to hf --input {q(str(run / 'checkpoints'))} "
+            f"--output {q(str(run / 'hf'))}"
+        )
     if stage.name == "sample":
-        return f"{python} -m training sample --recipe {run}/recipe.yaml --input {run}/hf --output {run}/samples.json"
+        return (
+            f"{python} -m training sample --recipe {q(str(run / 'recipe.yaml'))} --input {q(str(run / 'hf'))} "
+            f"--output {q(str(run / 'samples.json'))}"
+        )
     if stage.name == "export":
-        return f"{python} -m training export --run-dir {run} --output {plan.site.results.rstrip('/')}/{plan.run_id}"
+        results = f"{plan.site.results.rstrip('/')}/{plan.run_id}"
+        return f"{python} -m training export --run-dir {q(str(run))} --output {q(results)}"
     raise ValueError(f"{stage.name} is a distributed stage")
 
 
@@ -160,16 +223,24 @@ def processes_per_node(recipe: Recipe) -> int:
 
 
 def render(plan: RunPlan) -> dict[str, str]:
-    """Job script per stage, in submission order."""
+    """Job script per stage, in submission order: every value from a recipe, site file or run id goes through
+    one of the filters `shell` (quoted), `sbatch` (checked) or `line` (the site's own code, checked)."""
     import jinja2
 
     environment = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined, keep_trailing_newline=True
     )
+    environment.filters["shell"] = shell_word
+    environment.filters["sbatch"] = sbatch_value
+    environment.filters["line"] = code_line
+    environment.filters["script"] = shlex.quote  # a composed command, its values already quoted with `shell`
     site, recipe = plan.site, plan.recipe
     scripts = {}
     python = _python(site)
+    slurm = slurm_prefix(site.slurm_bin)
     for stage in plan.stages:
+        if not re.fullmatch(r"[a-z-]+", stage.name):
+            raise ValueError(f"stage name {stage.name!r} is written unquoted into job scripts")
         context: dict[str, Any] = {
             "run_id": plan.run_id,
             "run_dir": str(plan.run_dir),
@@ -187,12 +258,13 @@ def render(plan: RunPlan) -> dict[str, str]:
             "compile_cache": site.compile_cache,
             "python": python,
             "python_bin": os.path.dirname(python),
-            "slurm": slurm_prefix(site.slurm_bin),
+            "scontrol": f"{slurm}scontrol",
+            "srun": f"{slurm}srun",
         }
         if stage.distributed:
             context |= {
                 "processes_per_node": site.processes_per_node or processes_per_node(recipe),
-                "launcher": f"{os.path.dirname(python)}/neuron_parallel_compile "
+                "launcher": f"{os.path.dirname(python)}/neuron_parallel_compile"
                 if stage.name == "compile" and site.neuron
                 else "",
                 "train_arguments": "--compile" if stage.name == "compile" else "--resume",
@@ -324,6 +396,8 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
 def find_run_dir(site: Site, run_id: str | None) -> Path:
     root = Path(site.runs_root).absolute()
     if run_id:
+        if not RUN_ID.fullmatch(run_id):  # a name under runs_root, never a path out of it
+            raise UserError(f"--run-id {run_id!r}: use letters, digits, '.', '_' and '-' (at most 64)")
         return root / run_id
     runs = sorted((p for p in root.glob("*/run.json")), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
     if not runs:

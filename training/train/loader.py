@@ -17,9 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from training.config.loading import not_allowed
 from training.errors import UserError
 from training.model.parallel import IGNORE_INDEX
 from training.outputs import MANIFEST
+
+# `prepare pretrain` writes one dataset, not a dictionary of splits: its blocks are the training split.
+SINGLE_SPLIT = "train"
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,21 @@ class BatchPlan:
 
 
 class TrainingData:
-    """The blocks of one split of a `prepare` output, as (input_ids, targets) tensors."""
+    """The blocks of one split of a `prepare` output, as (input_ids, targets) tensors.
 
-    def __init__(self, path: Path, split: str, seq_len: int, *, shuffle_seed: int | None = None) -> None:
+    A split the output does not have is refused, never replaced by another: validation on the training blocks
+    would report a loss that looks like generalisation. `key` names the recipe key that chose the split.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        split: str,
+        seq_len: int,
+        *,
+        shuffle_seed: int | None = None,
+        key: str = "data.split",
+    ) -> None:
         self.shuffle_seed = shuffle_seed
         self._orders: dict[int, np.ndarray] = {}
         manifest_path = path / MANIFEST
@@ -68,9 +84,10 @@ class TrainingData:
         import datasets
 
         loaded = datasets.load_from_disk(str(path))
+        splits = list(loaded) if isinstance(loaded, datasets.DatasetDict) else [SINGLE_SPLIT]
+        if split not in splits:
+            raise UserError(not_allowed(key, split, f"a split that data.path {path} has: {', '.join(splits)}"))
         if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise UserError(f"data.split {split!r} is not in {path} (allowed: {', '.join(loaded)})")
             loaded = loaded[split]
         self.dataset = loaded.with_format("numpy")
         self.has_labels = "labels" in self.dataset.column_names

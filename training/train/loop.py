@@ -113,14 +113,15 @@ def train(options: TrainOptions) -> dict[str, Any]:
     data_path = Path(recipe.data.path)
     if not data_path.is_dir():
         raise UserError(f"data.path {data_path}: no such directory (run `python -m training prepare` first)")
-    data = TrainingData(
-        data_path, recipe.data.split, recipe.batch.seq_len, shuffle_seed=recipe.seed if recipe.data.shuffle else None
-    )
-    validation = (
-        TrainingData(data_path, recipe.data.validation_split, recipe.batch.seq_len)
-        if recipe.data.validation_split is not None and recipe.data.validation_every
-        else None
-    )
+    shuffle_seed = recipe.seed if recipe.data.shuffle else None
+    data = TrainingData(data_path, recipe.data.split, recipe.batch.seq_len, shuffle_seed=shuffle_seed, key="data.split")
+    validation = None
+    if recipe.data.validation_split is not None:  # opened even when unused, so a split that is not there is said
+        validation = TrainingData(
+            data_path, recipe.data.validation_split, recipe.batch.seq_len, key="data.validation_split"
+        )
+    if not recipe.data.validation_every:
+        validation = None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model_parallel = recipe.parallelism.tp * recipe.parallelism.pp
     if world % model_parallel:
