@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -183,6 +185,38 @@ def test_resume_continues_exactly(
     expected, actual = hf_tensors(runs["llama-neuron"] / "hf"), hf_tensors(checkpoints / "hf")
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+class _Payload:
+    """Unpickling this runs a shell command: what a file planted on shared storage could hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("part", ["model", "optim", "scheduler.pt", "user_content.pt"])
+def test_a_planted_pickle_in_a_checkpoint_never_reaches_nxds_loader(
+    part: str, worlds: dict[str, dict[str, Path]], runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """NxD's `load_checkpoint` unpickles with weights_only=False: every file it would read for this rank is
+    read the safe way first, so `--resume` stops with one line and the payload never runs."""
+    checkpoints = tmp_path / "planted"
+    shutil.copytree(runs["llama-neuron"], checkpoints)
+    step = checkpoints / f"step_{STEPS}"
+    planted = step / part if part.endswith(".pt") else next((step / part).glob("*.pt"))
+    marker = tmp_path / "PWNED"
+    torch.save({"state": _Payload(marker)}, planted)
+    result = train(worlds["llama"], "llama", "neuron", checkpoints, resume=True)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {planted}: refused to unpickle posix.system (it could run code); allowed: a torch.save file of "
+        "tensors, numbers, strings, lists, tuples and dicts"
+    ], result.stderr[-3000:]
+    assert not marker.exists()
 
 
 def test_xser_checkpoints_convert_like_plain_ones(

@@ -131,6 +131,7 @@ def load_weights(directory: Path, step: int, model: CausalLM) -> None:
     if parallel.backend() == "neuron":
         from neuronx_distributed.trainer import load_checkpoint as nxd_load
 
+        _refuse_planted_pickles(target)
         nxd_load(str(directory), tag=target.name, model=model, strict=True)
         return
     path = nxd_rank_file(target, parallel.tp_rank(), parallel.pp_rank())
@@ -160,6 +161,7 @@ def load_training_state(directory: Path, step: int, optimizer: TrainingOptimizer
     if parallel.backend() == "neuron":
         from neuronx_distributed.trainer import load_checkpoint as nxd_load
 
+        _refuse_planted_pickles(target)
         content = dict(
             nxd_load(str(directory), tag=target.name, optimizer=optimizer.inner, scheduler=optimizer.scheduler) or {}
         )
@@ -182,6 +184,25 @@ def load_training_state(directory: Path, step: int, optimizer: TrainingOptimizer
     if rng_file.is_file():
         _restore_rng(_load_plain(rng_file), rng_file)
     return content
+
+
+def _refuse_planted_pickles(target: Path) -> None:
+    """neuronx-distributed's `load_checkpoint` (and torch-xla's xser loader under it) unpickles with
+    `weights_only=False`. Before it reads this rank's files, each is unpickled here the safe way, which runs
+    no code and refuses any class but tensors, plain data and xser's tensor references: a file planted on
+    shared storage is one line, and never reaches NxD's loader."""
+    from torch_xla.utils.serialization import TensorReference
+
+    rank = f"tp_rank_{parallel.tp_rank():02d}_pp_rank_{parallel.pp_rank():02d}"
+    owned = [f"model/dp_rank_00_{rank}", f"optim/dp_rank_{parallel.dp_rank():02d}_{rank}"]
+    files = [target / "scheduler.pt", target / "user_content.pt"]
+    for prefix in owned:
+        for path in sorted(target.glob(f"{prefix}*")):  # NAME.pt, NAME.pt.info.pt, NAME.pt.tensors/ (xser)
+            files += sorted(path.glob("*.pt")) if path.is_dir() else [path]
+    with torch.serialization.safe_globals([TensorReference]):
+        for path in files:
+            if path.is_file():
+                _load_plain(path)
 
 
 def _load_plain(path: Path) -> Any:
