@@ -46,9 +46,10 @@ ZONE_ID_PATTERN = re.compile(r"^([a-z]+[0-9]+)-az[0-9]+$")
 ZONE_ID_DIRECTIONS = {"northeast": "ne", "northwest": "nw", "southeast": "se", "southwest": "sw"}
 SCRATCH_2_SMALL_CAPACITY_GIB = 1200
 SCRATCH_2_CAPACITY_STEP_GIB = 2400
-# FSx for Lustre's default quota of scratch storage per account and region (adjustable through Service Quotas),
-# and the most any AWS API documents for one Lustre file system (SageMaker HyperPod's FSxLustreConfig).
-SCRATCH_2_MAX_CAPACITY_GIB = 100800
+# FSx for Lustre's default quota of scratch storage per account and region, adjustable through Service Quotas:
+# the default of `storage.fsx_quota_gib`, which an account with a raised quota raises in its environment file.
+SCRATCH_2_DEFAULT_QUOTA_GIB = 100800
+CFN_INTEGER_MAX = 2**31 - 1  # CloudFormation's Integer, the type of AWS::FSx::FileSystem StorageCapacity
 # CloudWatch Logs' retention periods, once: the type of `logging.retention_days` and its allowed values.
 CloudWatchRetentionDays = Literal[
     1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653
@@ -165,8 +166,13 @@ class ComputeConfig(StrictModel):
 
 
 class StorageConfig(StrictModel):
-    fsx_capacity_gib: Int = Field(
-        1200, description=f"SCRATCH_2: 1200 or a multiple of 2400, at most {SCRATCH_2_MAX_CAPACITY_GIB}"
+    fsx_capacity_gib: Int = Field(1200, description="SCRATCH_2: 1200 or a multiple of 2400, at most fsx_quota_gib")
+    fsx_quota_gib: Annotated[
+        int, Field(strict=True, ge=1200, le=CFN_INTEGER_MAX), Allowed(f"1200 to {CFN_INTEGER_MAX} GiB")
+    ] = Field(
+        SCRATCH_2_DEFAULT_QUOTA_GIB,
+        description="this account's FSx for Lustre scratch storage quota in the region (Service Quotas); "
+        "raise it here once the quota is raised",
     )
     mount_dir: Annotated[
         str, Field(strict=True, pattern=r"^/[A-Za-z0-9_./-]+$"), Allowed("an absolute directory path such as '/fsx'")
@@ -301,12 +307,13 @@ def validate(config: EnvironmentConfig) -> list[str]:
     capacity = config.storage.fsx_capacity_gib
     if capacity != SCRATCH_2_SMALL_CAPACITY_GIB and (capacity <= 0 or capacity % SCRATCH_2_CAPACITY_STEP_GIB):
         bad("storage.fsx_capacity_gib", capacity, "1200 or a multiple of 2400 (2400, 4800, ...) for SCRATCH_2")
-    elif capacity > SCRATCH_2_MAX_CAPACITY_GIB:
+    elif capacity > config.storage.fsx_quota_gib:
         bad(
             "storage.fsx_capacity_gib",
             capacity,
-            f"at most {SCRATCH_2_MAX_CAPACITY_GIB} GiB for SCRATCH_2 (FSx for Lustre's default scratch storage "
-            "quota per account and region)",
+            f"at most storage.fsx_quota_gib, {config.storage.fsx_quota_gib} GiB (FSx for Lustre's scratch storage "
+            f"quota per account and region, {SCRATCH_2_DEFAULT_QUOTA_GIB} by default; raise both once Service "
+            "Quotas has raised it)",
         )
     for key, value in config.tags.items():
         if key.lower().startswith("aws:") or not 1 <= len(key) <= 128 or len(value) > 256:

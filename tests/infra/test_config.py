@@ -142,8 +142,19 @@ RULES = {
     "fsx capacity beyond the scratch quota": (
         {"storage.fsx_capacity_gib": 103200},
         "environments-under-test/candidate.yaml: storage.fsx_capacity_gib: 103200 is not allowed; "
-        "allowed: at most 100800 GiB for SCRATCH_2 (FSx for Lustre's default scratch storage quota per account "
-        "and region)",
+        "allowed: at most storage.fsx_quota_gib, 100800 GiB (FSx for Lustre's scratch storage quota per account "
+        "and region, 100800 by default; raise both once Service Quotas has raised it)",
+    ),
+    "fsx capacity beyond a raised quota": (
+        {"storage.fsx_capacity_gib": 204000, "storage.fsx_quota_gib": 201600},
+        "environments-under-test/candidate.yaml: storage.fsx_capacity_gib: 204000 is not allowed; "
+        "allowed: at most storage.fsx_quota_gib, 201600 GiB (FSx for Lustre's scratch storage quota per account "
+        "and region, 100800 by default; raise both once Service Quotas has raised it)",
+    ),
+    "fsx quota beyond CloudFormation's integers": (
+        {"storage.fsx_quota_gib": 2**31},
+        "environments-under-test/candidate.yaml: storage.fsx_quota_gib: 2147483648 is not allowed; "
+        "allowed: 1200 to 2147483647 GiB",
     ),
     "compute root volume beyond gp3's 16 TiB": (
         {"compute.root_volume_gib": 16385},
@@ -343,6 +354,11 @@ def env_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_each_rule_rejects_with_one_clear_line(rule: str, env_dir: Path) -> None:
     changes, expected = RULES[rule]
     assert problems_for(env_dir, changes) == [expected]
+
+
+def test_an_account_with_a_raised_scratch_quota_may_use_it(env_dir: Path) -> None:
+    write_environment(env_dir, {"storage.fsx_capacity_gib": 204000, "storage.fsx_quota_gib": 204000})
+    assert load_environment("candidate", env_dir).storage.fsx_capacity_gib == 204000
 
 
 def test_every_problem_is_reported_at_once(env_dir: Path) -> None:
