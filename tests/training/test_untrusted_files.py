@@ -710,6 +710,14 @@ def test_malicious_training_checkpoint_file(kind: str, source: Path, marker: Pat
     assert str(raised.value) == f"{file}: refused to unpickle posix.system (it could run code); {PLAIN_DATA}"
 
 
+def rng_draws() -> list[Any]:
+    return [random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.normal(), torch.rand(3)]
+
+
+def same_draws(actual: list[Any], expected: list[Any]) -> bool:
+    return actual[:4] == expected[:4] and torch.equal(actual[4], expected[4])
+
+
 @pytest.mark.usefixtures("single_process")
 def test_random_generators_resume_exactly(tmp_path: Path) -> None:
     """Saved as tensors and plain data, loaded with weights_only, every generator continues where it was,
@@ -718,28 +726,33 @@ def test_random_generators_resume_exactly(tmp_path: Path) -> None:
     random.gauss(0, 1), np.random.normal()  # leaves a cached value in each
     path = tmp_path / "rank_00000.pt"
     torch.save(checkpointing._rng_state(), path)
-
-    def draws() -> list[Any]:
-        return [random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.normal(), torch.rand(3)]
-
-    expected = draws()
-    draws()
-    checkpointing._restore_rng(torch.load(path, weights_only=True), path)
-    actual = draws()
-    assert actual[:4] == expected[:4] and torch.equal(actual[4], expected[4])
+    expected = rng_draws()
+    rng_draws()
+    checkpointing.restore_rng(path)
+    assert same_draws(rng_draws(), expected)
 
 
 @pytest.mark.usefixtures("single_process")
-def test_random_generator_file_of_another_form_is_one_line(source: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_of_the_earlier_rng_form_still_resumes_exactly(tmp_path: Path) -> None:
+    """Earlier versions saved `random.getstate()` and `np.random.get_state()` as they are (numpy's key as an
+    array): a run saved then resumes after an upgrade, with the same draws."""
+    random.seed(4), np.random.seed(4), torch.manual_seed(4)
+    random.gauss(0, 1), np.random.normal()
+    path = tmp_path / "rank_00000.pt"
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}, path)
+    expected = rng_draws()
+    rng_draws()
+    checkpointing.restore_rng(path)
+    assert same_draws(rng_draws(), expected)
+
+
+@pytest.mark.usefixtures("single_process")
+def test_random_generator_file_of_another_form_is_one_line(source: Path, marker: Path, tmp_path: Path) -> None:
     config = json.loads((source / "config.json").read_text())
     model, optimizer = trainer(config)
     directory = tmp_path / "checkpoints"
     save_checkpoint(directory, 1, model, optimizer, {"step": 1}, keep_last=2, xser=False)
     rng = directory / "step_1" / "rng" / "rank_00000.pt"
-    # the form written before: numpy's state as a pickled numpy array, which weights_only refuses
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}, rng)
-    with pytest.raises(UserError, match=rf"^{rng}: refused to unpickle numpy\S*_reconstruct \(it could run code\)"):
-        resume(directory, config)
     torch.save({"torch": torch.get_rng_state()}, rng)
     with pytest.raises(UserError) as raised:
         resume(directory, config)
@@ -747,6 +760,11 @@ def test_random_generator_file_of_another_form_is_one_line(source: Path, tmp_pat
         f"{rng}: not a random generator state this version writes ('python'); allowed: the rng file of a "
         "checkpoint saved by this training code"
     )
+    # what rebuilds a numpy array is allowed there, nothing beyond it: an array of objects is refused
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.array([Payload(marker)], dtype=object)}, rng)
+    with pytest.raises(UserError, match=rf"^{rng}: refused to unpickle "):
+        resume(directory, config)
+    assert not marker.exists()
 
 
 @pytest.mark.usefixtures("single_process")

@@ -182,8 +182,19 @@ def load_training_state(directory: Path, step: int, optimizer: TrainingOptimizer
         optimizer.scheduler.load_state_dict(scheduler_state)
     rng_file = target / "rng" / f"rank_{parallel.world_rank():05d}.pt"
     if rng_file.is_file():
-        _restore_rng(_load_plain(rng_file), rng_file)
+        restore_rng(rng_file)
     return content
+
+
+def restore_rng(path: Path) -> None:
+    """Set every generator from a rank's rng file. Files of earlier versions hold numpy's state as an array:
+    only what rebuilds a plain numpy array is allowed besides plain data (PyTorch's documented way to load
+    one with `weights_only`), so such a checkpoint still resumes and nothing else is unpickled."""
+    from numpy._core.multiarray import _reconstruct
+
+    with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
+        state = _load_plain(path)
+    _restore_rng(state, path)
 
 
 def _refuse_planted_pickles(target: Path) -> None:
@@ -284,9 +295,32 @@ def _rng_state() -> dict[str, Any]:
     }
 
 
+def _earlier_rng_form(state: Any) -> Any:
+    """Earlier versions saved `random.getstate()` and `np.random.get_state()` as they are: the same values in
+    `_rng_state`'s form; any other value is returned unchanged."""
+    if not (
+        isinstance(state, dict) and isinstance(state.get("python"), tuple) and isinstance(state.get("numpy"), tuple)
+    ):
+        return state
+    version, words, gauss_next = state["python"]
+    bit_generator, key, pos, has_gauss, gauss = state["numpy"]
+    return {
+        "torch": state.get("torch"),
+        "python": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss_next},
+        "numpy": {
+            "bit_generator": bit_generator,
+            "key": torch.from_numpy(np.asarray(key, dtype=np.uint32).astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "gauss": gauss,
+        },
+    }
+
+
 def _restore_rng(state: Any, path: Path) -> None:
     """Sets the generators from `_rng_state`'s form, after checking it is that form (any other is one line)."""
     try:
+        state = _earlier_rng_form(state)
         torch_state, python, numpy_state = state["torch"], state["python"], state["numpy"]
         words, key = python["words"], numpy_state["key"]
         if not (
