@@ -271,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--run-dir", required=True, type=Path, help="run directory (<runs_root>/<run-id>)")
     export.add_argument("--output", required=True, help="where to copy: s3://bucket/prefix or a directory")
     export.add_argument("--with-checkpoints", action="store_true", help="also copy the training checkpoints")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace a local export made from other files (S3: always replaced)"
+    )
     return parser
 
 
@@ -435,7 +438,12 @@ def _pipeline(arguments: argparse.Namespace) -> int:
     if arguments.command == "export":
         from training.pipeline.export import export
 
-        export(arguments.run_dir, arguments.output, with_checkpoints=arguments.with_checkpoints)
+        export(
+            arguments.run_dir,
+            arguments.output,
+            with_checkpoints=arguments.with_checkpoints,
+            overwrite=arguments.overwrite,
+        )
         return 0
     from training.config.site import load_site
 

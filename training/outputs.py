@@ -2,8 +2,10 @@
 
 Every command writes into a hidden temporary sibling and renames it into place at the end, with a
 `manifest.json` describing what it did. A rerun with the same inputs finds that manifest and reuses the
-output. The outputs live on FSx for Lustre, mounted on every cluster node, so what a run leaves beside
-an output may belong to a process on another machine. The rules:
+output. Small files that runs keep rewriting (a run's record and job scripts, the samples) are replaced
+in one rename too (`write_file`), without a manifest. The outputs live on FSx for Lustre, mounted on
+every cluster node, so what a run leaves beside an output may belong to a process on another machine.
+The rules:
 
 - Ownership. Every hidden sibling (`.NAME.tmp-OWNER` being written, `.NAME.old-OWNER` set aside while
   replacing, `.NAME.scratch-OWNER` for intermediate files) carries its writer in its name: host name,
@@ -60,7 +62,8 @@ from training.errors import UserError
 MANIFEST = "manifest.json"
 KINDS = ("tmp", "old", "scratch")
 # Fault injection for the kill tests: SIGKILL this process at the named point of publishing an output
-# (before-rename, between-renames: only when replacing, after-rename). Unset in production.
+# (before-rename, between-renames: only when replacing, after-rename) or of submitting a run
+# (submitted-STAGE: after that stage's sbatch, before run.json records it). Unset in production.
 KILL_AT = "TRAINING_OUTPUTS_KILL_AT"
 # "0": replace with two renames even where the file system could swap (the kill tests cover both ways).
 EXCHANGE = "TRAINING_OUTPUTS_EXCHANGE"
@@ -184,7 +187,7 @@ def recover(final: Path, *, warn: bool = True) -> None:
             if warn:
                 log.warning(f"kept {path}: a complete output set aside by a killed run; {final} holds something else")
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
 
 
 @contextmanager
@@ -217,15 +220,38 @@ def scratch_directory(final: Path) -> Iterator[Path]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def write_file(final: Path, text: str) -> None:
+    """Replace a small file in one rename, so a reader finds the old text or the new, never a part of it.
+    A kill leaves the hidden `.NAME.tmp-OWNER` beside it, removed by the next write once its writer is
+    provably gone (the same rules as for directories)."""
+    final = final.absolute()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    recover(final, warn=False)
+    temporary = final.parent / sibling_name(final.name, "tmp", current_owner())
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        kill_point("before-rename")
+        os.replace(temporary, final)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _publish(temporary: Path, final: Path, *, overwrite: bool) -> None:
     """Rename the finished `temporary` into place; a lost race re-reads what the winner published."""
     fingerprint = (read_manifest(temporary) or {}).get("fingerprint")
     for _ in range(PUBLISH_ATTEMPTS):
         state = output_state(final)
         if state in ("absent", "empty"):
-            _kill_point("before-rename")
+            kill_point("before-rename")
             if _moved(temporary, final, *_FILLED):
-                _kill_point("after-rename")
+                kill_point("after-rename")
                 return
             continue
         if state == "foreign":
@@ -236,22 +262,22 @@ def _publish(temporary: Path, final: Path, *, overwrite: bool) -> None:
             return
         if not overwrite:
             raise UserError(_different_inputs(final, fingerprint or {}, existing))
-        _kill_point("before-rename")
+        kill_point("before-rename")
         if _exchanged(temporary, final):
-            _kill_point("after-rename")
+            kill_point("after-rename")
             shutil.rmtree(temporary, ignore_errors=True)  # the previous output, under the temporary name now
             return
         retired = final.parent / sibling_name(final.name, "old", current_owner())
         if not _moved(final, retired, errno.ENOENT):  # another run is replacing it right now
             continue
-        _kill_point("between-renames")
+        kill_point("between-renames")
         try:
             published = _moved(temporary, final, *_FILLED)
         except OSError:
             _moved(retired, final, *_FILLED, errno.ENOENT)  # put the old output back before giving up
             raise
         if published:
-            _kill_point("after-rename")
+            kill_point("after-rename")
         shutil.rmtree(retired, ignore_errors=True)
         if published:
             return
@@ -326,7 +352,8 @@ def _different_inputs(final: Path, fingerprint: dict[str, Any], manifest: dict[s
     )
 
 
-def _kill_point(point: str) -> None:
+def kill_point(point: str) -> None:
+    """Fault injection for the kill tests (see KILL_AT)."""
     if os.environ.get(KILL_AT) == point:
         os.kill(os.getpid(), signal.SIGKILL)
 

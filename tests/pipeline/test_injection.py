@@ -203,7 +203,10 @@ def expected_python_argv(world: World, recipe: Recipe, stage: str, nproc: str) -
         argv = [python, "-m", "training", "sample", "--recipe", f"{run}/recipe.yaml"]
         return argv + ["--input", f"{run}/hf", "--output", f"{run}/samples.json"]
     assert stage == "export"
-    return [python, "-m", "training", "export", "--run-dir", str(run), "--output", f"{world.results}/{RUN_ID}"]
+    return [
+        *(python, "-m", "training", "export", "--run-dir", str(run)),
+        *("--output", f"{world.results}/{RUN_ID}", "--overwrite"),
+    ]
 
 
 @pytest.mark.parametrize("neuron", [False, True], ids=["local-like", "cluster-like"])

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from tests.support.parallelcluster_shell import (
@@ -24,6 +27,7 @@ from tests.support.parallelcluster_shell import (
     parallelcluster_path,
     run_script,
 )
+from training import outputs
 from training.config.site import Site
 from training.local.tiny import make_tiny_sources
 from training.pipeline import runs
@@ -247,6 +251,60 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
     resumed = runs.submit("tiny-llama-cpt", overrides(world, *extra), run_id="llama-failing", site=site, dry_run=False)
     assert list(resumed["jobs"]) == ["convert-in", "compile", "train", "convert-out", "sample", "export"]
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
+
+
+def submit_killed_after(stage: str, run_id: str, world: dict[str, Path], site: Site, tmp_path: Path) -> Any:
+    """`python -m training submit`, SIGKILLed right after `stage`'s sbatch, before run.json records its job."""
+    site_file = tmp_path / "site.yaml"
+    site_file.write_text(yaml.safe_dump(site.model_dump(mode="json")))
+    command = ["submit", "--recipe", "tiny-llama-cpt", "--site", str(site_file), "--run-id", run_id]
+    return subprocess.run(
+        [sys.executable, "-m", "training", *command, *overrides(world, "steps=4", "checkpoint.every=2")],
+        cwd=ROOT,
+        env={**os.environ, outputs.KILL_AT: f"submitted-{stage}"},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+
+
+def recorded_jobs(run_dir: Path) -> dict[str, str]:
+    return runs.latest_jobs(json.loads((run_dir / "run.json").read_text()))
+
+
+def test_a_killed_submit_is_completed_by_its_rerun_with_one_job_per_stage(
+    slurm: Any, sources: dict[str, dict[str, Path]], site: Site, tmp_path: Path
+) -> None:
+    """Killed after compile's sbatch: run.json names prepare and convert-in only, yet compile is queued. The
+    rerun keeps that job (found by its script in Slurm's queue) and submits the rest behind it: every stage
+    runs exactly once and the run completes."""
+    killed = submit_killed_after("compile", "llama-killed-submit", sources["llama"], site, tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    run_dir = Path(site.runs_root) / "llama-killed-submit"
+    assert list(recorded_jobs(run_dir)) == ["prepare", "convert-in"]
+    compile_job = runs.queued_jobs(run_dir, site.slurm_bin).get("compile")
+    assert compile_job is not None and compile_job not in recorded_jobs(run_dir).values()
+
+    rerun = run("tiny-llama-cpt", sources["llama"], site, "llama-killed-submit", "steps=4", "checkpoint.every=2")
+    assert set(states(rerun).values()) == {"COMPLETED"}, runs.stage_states(rerun)
+    assert recorded_jobs(run_dir)["compile"] == compile_job
+    logs = sorted(p.name.rsplit("-", 1)[0] for p in (run_dir / "logs").glob("*.out"))
+    stages = json.loads((run_dir / "run.json").read_text())["stages"]
+    assert logs == sorted(stages), logs  # one job per stage, none submitted twice
+
+
+def test_cancel_finds_the_job_a_killed_submit_did_not_record(
+    slurm: Any, sources: dict[str, dict[str, Path]], site: Site, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    killed = submit_killed_after("prepare", "llama-killed-early", sources["llama"], site, tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    run_dir = Path(site.runs_root) / "llama-killed-early"
+    assert recorded_jobs(run_dir) == {}
+    job = runs.queued_jobs(run_dir, site.slurm_bin)["prepare"]
+    assert runs.cancel(run_dir) == [job]
+    assert runs.queued_jobs(run_dir, site.slurm_bin) == {}
+    assert f"cancelled jobs {job}" in capsys.readouterr().out
 
 
 def test_custom_resource_cancel_stops_every_job_of_the_run(

@@ -70,7 +70,7 @@ def test_cluster_scripts_carry_the_cluster_settings() -> None:
         )
         assert not bare, f"{stage} runs {bare} from PATH"
     assert "--tp 32 \\\n    --kv-size-multiplier 4 \\\n    --xser" in scripts["convert-in"]
-    assert "--run-dir /fsx/runs/RUN-ID --output s3://RESULTS-BUCKET/results/RUN-ID\n" in scripts["export"]
+    assert "--run-dir /fsx/runs/RUN-ID --output s3://RESULTS-BUCKET/results/RUN-ID --overwrite\n" in scripts["export"]
     assert "--input /fsx/runs/RUN-ID/hf --output /fsx/runs/RUN-ID/samples.json\n" in scripts["sample"]
     assert "--output /fsx/runs/RUN-ID/data \\\n" in scripts["prepare"]
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,8 +25,9 @@ from tests.training.tiny_models import llama
 from training import outputs
 from training.cli import main
 from training.errors import UserError
-from training.local.tiny import sample_conversations, sample_documents, train_tokenizer, write_jsonl
+from training.local.tiny import sample_conversations, sample_documents, tiny_model, train_tokenizer, write_jsonl
 from training.outputs import Owner, atomic_directory, owner_is_gone, reusable, sibling_name, write_manifest
+from training.pipeline import export
 
 FINGERPRINT = {"inputs": "new"}
 
@@ -281,6 +284,26 @@ class World:
     chats: Path
     hf: Path
     nxd: Path
+    models: dict[str, Path]  # "new" and "old": Hugging Face models with the tokenizer, for `sample`
+    runs: dict[str, Path]  # "new" and "old": finished run directories, for `export`
+
+
+INPUTS = ("new", "old")
+
+
+def finished_run(directory: Path, model: Path, run_id: str) -> Path:
+    """A run directory as the pipeline leaves it after the sample stage."""
+    shutil.copytree(model, directory / "hf")
+    (directory / "checkpoints").mkdir()
+    (directory / "checkpoints" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.5}\n')
+    (directory / "logs").mkdir()
+    (directory / "logs" / "train-7.out").write_text(f"{run_id} trained\n")
+    if run_id.endswith("old"):  # a file only the earlier export has
+        (directory / "logs" / "train-6.out").write_text("killed\n")
+    (directory / "samples.json").write_text(json.dumps({"samples": [run_id]}) + "\n")
+    (directory / "recipe.yaml").write_text(f"name: {run_id}\n")
+    (directory / "run.json").write_text(json.dumps({"run_id": run_id}) + "\n")
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +315,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     hf = llama(root / "hf")
     nxd = root / "nxd"
     assert main(["convert", "--from", "hf", "--to", "nxd", "--input", str(hf), "--output", str(nxd), "--tp", "2"]) == 0
-    return World(tokenizer, corpus, chats, hf, nxd)
+    models = {inputs: tiny_model(root / f"model-{inputs}", tokenizer, seed=seed) for seed, inputs in enumerate(INPUTS)}
+    runs = {inputs: finished_run(root / f"run-{inputs}", models[inputs], f"run-{inputs}") for inputs in INPUTS}
+    return World(tokenizer, corpus, chats, hf, nxd, models, runs)
 
 
 # Each command with the inputs of the output the test wants ("new") and of an earlier one ("old").
@@ -313,6 +338,7 @@ COMMANDS: dict[str, Callable[[World, Path, str], list[str]]] = {
         *("convert", "--from", "nxd", "--to", "hf", "--input", str(w.nxd), "--output", str(out)),
         *("--max-shard-size", "2GB" if inputs == "new" else "20000"),
     ],
+    "export": lambda w, out, inputs: ["export", "--run-dir", str(w.runs[inputs]), "--output", str(out)],
 }
 
 
@@ -419,6 +445,108 @@ def test_a_killed_replacement_rerun_without_overwrite_gets_the_old_output_back(
     assert json.loads(capsys.readouterr().out)["reused"] is True
     assert contents(out) == uninterrupted("convert --to nxd", "old")
     assert hidden(out) == []
+
+
+# `sample` rewrites one file: a kill leaves the earlier file whole, the rerun the uninterrupted one.
+
+
+def sample_command(world: World, out: Path, inputs: str) -> list[str]:
+    return ["sample", "--recipe", "tiny-llama-cpt", "--input", str(world.models[inputs]), "--output", str(out)]
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["first", "replacing"])
+def test_a_killed_sample_leaves_the_earlier_file_and_its_rerun_the_uninterrupted_one(
+    earlier: bool, world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uninterrupted = tmp_path / "uninterrupted" / "samples.json"
+    assert main(sample_command(world, uninterrupted, "new")) == 0
+    out = tmp_path / "run" / "samples.json"
+    if earlier:
+        assert main(sample_command(world, out, "old")) == 0
+        before = out.read_bytes()
+        assert before != uninterrupted.read_bytes()
+    killed = run(sample_command(world, out, "new"), **{outputs.KILL_AT: "before-rename"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert out.read_bytes() == before if earlier else not out.exists()
+    assert [name.removeprefix(".samples.json.").partition("-")[0] for name in hidden(out)] == ["tmp"]
+
+    capsys.readouterr()
+    assert main(sample_command(world, out, "new")) == 0
+    assert out.read_bytes() == uninterrupted.read_bytes()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["samples.json"]
+
+
+# `export` to S3 has no rename: objects first, the manifest last. moto's standalone server stands in for S3,
+# so a subprocess killed in the middle of an upload writes to the same "bucket" as its rerun.
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fresh bucket; this process and the commands it starts reach it through AWS_ENDPOINT_URL."""
+    import boto3
+
+    credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
+    for name, value in {**credentials, "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(name, value)
+    resource = boto3.resource("s3")
+    created = resource.create_bucket(Bucket=f"results-{secrets.token_hex(4)}")
+    return created
+
+
+def objects(bucket: Any, prefix: str) -> dict[str, bytes]:
+    return {o.key.removeprefix(prefix): o.get()["Body"].read() for o in bucket.objects.filter(Prefix=prefix)}
+
+
+def exported_to_s3(bucket: Any, prefix: str) -> dict[str, object]:
+    """What a reader of the export may rely on: nothing without the manifest, then every object it lists."""
+    found = objects(bucket, prefix)
+    if outputs.MANIFEST not in found:
+        return {}
+    manifest = json.loads(found.pop(outputs.MANIFEST))
+    assert sorted(found) == manifest["files"]
+    return {"manifest": manifest, **found}
+
+
+def test_an_export_to_s3_is_every_file_and_then_its_manifest(world: World, bucket: Any) -> None:
+    run_dir = world.runs["new"]
+    result = run(["export", "--run-dir", str(run_dir), "--output", f"s3://{bucket.name}/results/r1"])
+    assert result.returncode == 0, result.stderr
+    exported = exported_to_s3(bucket, "results/r1/")
+    manifest = exported.pop("manifest")
+    assert manifest["kind"] == "export" and manifest["run_id"] == "run-new"
+    assert exported == {name: (run_dir / name).read_bytes() for name in manifest["files"]}
+    assert {"hf/config.json", "samples.json", "run.json", "checkpoints/metrics.jsonl"} <= exported.keys()
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["first", "replacing"])
+def test_a_killed_export_to_s3_has_no_manifest_and_its_rerun_completes_it(
+    earlier: bool, world: World, bucket: Any
+) -> None:
+    destination = ["--output", f"s3://{bucket.name}/results/r1"]
+    if earlier:
+        assert run(["export", "--run-dir", str(world.runs["old"]), *destination]).returncode == 0
+        assert exported_to_s3(bucket, "results/r1/")["manifest"]["run_id"] == "run-old"
+    command = ["export", "--run-dir", str(world.runs["new"]), *destination]
+    killed = run(command, **{export.KILL_AFTER_UPLOADS: "3"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert exported_to_s3(bucket, "results/r1/") == {}  # a reader sees no complete export, not a mix
+    assert len(objects(bucket, "results/r1/")) >= 3
+
+    assert run(command).returncode == 0
+    exported = exported_to_s3(bucket, "results/r1/")
+    assert exported.pop("manifest")["run_id"] == "run-new"
+    assert exported == {name: (world.runs["new"] / name).read_bytes() for name in exported}
 
 
 # --- writers started together -------------------------------------------------------------------------------

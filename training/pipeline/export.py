@@ -3,18 +3,31 @@
 An S3 URI on AWS (the results bucket, which `cdk destroy` keeps), a local directory in the demo. Copies the
 final Hugging Face model, metrics, samples, logs and the run record; not the training checkpoints, which
 stay on the file system of the run (export them with `--with-checkpoints`).
+
+Both ends say when an export is complete. A local export is written beside its destination and renamed
+into place (training.outputs), so the directory holds a whole export or nothing; its `manifest.json`
+lets a rerun from the same files reuse it. S3 has no rename: the manifest is deleted, the objects are
+uploaded, those of an earlier export that this one lacks are deleted, and `manifest.json` goes up last,
+so a reader that finds the manifest finds exactly the objects it lists; a rerun after a kill uploads
+everything again over the same keys.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
+from training import outputs
 from training.errors import UserError
 
 EXPORTED = ("hf", "checkpoints/metrics.jsonl", "samples.json", "logs", "run.json", "recipe.yaml")
+# Fault injection for the kill tests: SIGKILL after uploading this many objects to S3. Unset in production.
+KILL_AFTER_UPLOADS = "TRAINING_EXPORT_KILL_AFTER_UPLOADS"
 
 
 def files_to_export(run_dir: Path, with_checkpoints: bool) -> list[Path]:
@@ -30,33 +43,74 @@ def files_to_export(run_dir: Path, with_checkpoints: bool) -> list[Path]:
     return sorted(found)
 
 
-def export(run_dir: Path, destination: str, *, with_checkpoints: bool = False) -> dict[str, Any]:
+def fingerprint(run_dir: Path, files: list[Path]) -> dict[str, Any]:
+    """What the export was made from: the run and each file's name, size and modification time."""
+    digest = hashlib.sha256()
+    for relative in files:
+        stat = (run_dir / relative).stat()
+        digest.update(f"{relative.as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return {"run_dir": str(run_dir.resolve()), "files": len(files), "sha256": digest.hexdigest()}
+
+
+def export(
+    run_dir: Path, destination: str, *, with_checkpoints: bool = False, overwrite: bool = False
+) -> dict[str, Any]:
     if not (run_dir / "run.json").is_file():
         raise UserError(f"--run-dir {run_dir}: no run.json (not a run directory)")
     files = files_to_export(run_dir, with_checkpoints)
-    if destination.startswith("s3://"):
-        _to_s3(run_dir, files, destination)
-    else:
-        target = Path(destination)
-        for relative in files:
-            (target / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(run_dir / relative, target / relative)
-    summary = {
-        "destination": destination,
-        "files": len(files),
+    manifest = {
+        "kind": "export",
+        "fingerprint": fingerprint(run_dir, files),
+        "run_id": json.loads((run_dir / "run.json").read_text()).get("run_id"),
+        "files": [relative.as_posix() for relative in files],
         "bytes": sum((run_dir / f).stat().st_size for f in files),
     }
+    reused = False
+    if destination.startswith("s3://"):
+        _to_s3(run_dir, files, destination, manifest)
+    else:
+        reused = _to_directory(run_dir, files, Path(destination), manifest, overwrite=overwrite)
+    summary = {"destination": destination, "files": len(files), "bytes": manifest["bytes"], "reused": reused}
     print(json.dumps(summary))
     return summary
 
 
-def _to_s3(run_dir: Path, files: list[Path], destination: str) -> None:
+def _to_directory(run_dir: Path, files: list[Path], target: Path, manifest: dict[str, Any], *, overwrite: bool) -> bool:
+    if outputs.reusable(target, manifest["fingerprint"], overwrite=overwrite) is not None:
+        return True
+    with outputs.atomic_directory(target, overwrite=overwrite) as partial:
+        for relative in files:
+            (partial / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(run_dir / relative, partial / relative)
+        outputs.write_manifest(partial, manifest)
+    return False
+
+
+def _to_s3(run_dir: Path, files: list[Path], destination: str, manifest: dict[str, Any]) -> None:
     import boto3
 
     bucket, _, prefix = destination[len("s3://") :].partition("/")
     if not bucket:
         raise UserError(f"--output {destination}: expected s3://bucket/prefix")
     client = boto3.client("s3")
-    for relative in files:
-        key = f"{prefix.rstrip('/')}/{relative.as_posix()}" if prefix else relative.as_posix()
-        client.upload_file(str(run_dir / relative), bucket, key)
+
+    def key(name: str) -> str:
+        return f"{prefix.rstrip('/')}/{name}" if prefix.strip("/") else name
+
+    kill_after = int(os.environ.get(KILL_AFTER_UPLOADS, "-1"))
+    client.delete_object(Bucket=bucket, Key=key(outputs.MANIFEST))  # incomplete until the new one is up
+    for count, relative in enumerate(files):
+        if count == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        client.upload_file(str(run_dir / relative), bucket, key(relative.as_posix()))
+    if prefix.strip("/"):  # objects an earlier export left that this one does not have (never a whole bucket)
+        wanted = {key(relative.as_posix()) for relative in files}
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key("")):
+            for stale in (o["Key"] for o in page.get("Contents", []) if o["Key"] not in wanted):
+                client.delete_object(Bucket=bucket, Key=stale)
+    client.put_object(
+        Bucket=bucket,
+        Key=key(outputs.MANIFEST),
+        Body=(json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(),
+        ContentType="application/json",
+    )

@@ -2,8 +2,10 @@
 
 `submit` renders one job script per stage from the recipe and the site settings (`assets/slurm/*.j2`),
 submits them with `afterok` dependencies (independent stages in parallel) and records the run in
-`<runs_root>/<run_id>/run.json`. Each job touches `state/<stage>.done` as its last act, so a failed or
-cancelled run is resumed from its first unfinished stage by submitting the same run id again.
+`<runs_root>/<run_id>/run.json`, rewritten in one rename after each sbatch; a rerun after a killed submit
+adopts the jobs it had queued (found by their scripts' paths) and submits the rest. Each job touches
+`state/<stage>.done` as its last act, so a failed or cancelled run is resumed from its first unfinished
+stage by submitting the same run id again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from training import outputs
 from training.config.loading import has_control_characters, not_allowed
 from training.config.precision import NEURON_ENVIRONMENT
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
@@ -207,7 +210,7 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
         )
     if stage.name == "export":
         results = f"{plan.site.results.rstrip('/')}/{plan.run_id}"
-        return f"{python} -m training export --run-dir {q(str(run))} --output {q(results)}"
+        return f"{python} -m training export --run-dir {q(str(run))} --output {q(results)} --overwrite"
     raise ValueError(f"{stage.name} is a distributed stage")
 
 
@@ -346,36 +349,22 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
             print(f"# ---- {stage.name} (after: {', '.join(after) or 'nothing'})\n{scripts[stage.name]}")
         return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "dry_run": True, "stages": list(scripts)}
     previous = read_run(plan.run_dir) if (plan.run_dir / "run.json").is_file() else None
-    if previous is not None:
-        if previous["settings"] != plan.settings:
-            raise UserError(
-                f"run {plan.run_id} was submitted with other settings; submit with a new --run-id "
-                f"(or the same recipe and overrides to resume it)"
-            )
-        active = {
-            s: j
-            for s, j in latest_jobs(previous).items()
-            if job_info(j, site.slurm_bin).get("JobState") in ACTIVE_STATES
-        }
-        if active:
-            print(f"run {plan.run_id} is queued or running (jobs {', '.join(active.values())}); nothing submitted")
-            return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": active, "submitted": False}
+    if previous is not None and previous["settings"] != plan.settings:
+        raise UserError(
+            f"run {plan.run_id} was submitted with other settings; submit with a new --run-id "
+            f"(or the same recipe and overrides to resume it)"
+        )
     todo = [s for s in plan.stages if not (plan.run_dir / "state" / f"{s.name}.done").exists()]
     if not todo:
         print(f"run {plan.run_id} has finished every stage; nothing submitted")
         return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": {}, "submitted": False}
+    queued = queued_jobs(plan.run_dir, site.slurm_bin) if previous is not None else {}
+    if all(stage.name in queued for stage in todo):
+        print(f"run {plan.run_id} is queued or running (jobs {', '.join(queued.values())}); nothing submitted")
+        return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": queued, "submitted": False}
     for folder in ("jobs", "logs", "state"):
         (plan.run_dir / folder).mkdir(parents=True, exist_ok=True)
-    (plan.run_dir / "recipe.yaml").write_text(yaml.safe_dump(plan.settings, sort_keys=False))
-    jobs: dict[str, str] = {}
-    for stage in todo:
-        script = plan.run_dir / "jobs" / f"{stage.name}.sbatch"
-        script.write_text(scripts[stage.name])
-        dependencies = [jobs[a] for a in stage.after if a in jobs]
-        command = ["sbatch", "--parsable"] + (
-            [f"--dependency=afterok:{':'.join(dependencies)}"] if dependencies else []
-        )
-        jobs[stage.name] = _slurm(site.slurm_bin, *command, str(script)).strip().split(";")[0]
+    outputs.write_file(plan.run_dir / "recipe.yaml", yaml.safe_dump(plan.settings, sort_keys=False))
     run = previous or {
         "run_id": plan.run_id,
         "recipe": recipe.name,
@@ -386,11 +375,48 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
         "stages": [s.name for s in plan.stages],
         "submissions": [],
     }
-    run["submissions"].append({"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "jobs": jobs})
-    (plan.run_dir / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    # Recorded before the first sbatch and after each one, so a kill loses at most the id of the job just
+    # submitted: a rerun adopts it (and `cancel` finds it) by its script's path in Slurm's queue.
+    kept = {stage.name: queued[stage.name] for stage in todo if stage.name in queued}
+    submission: dict[str, Any] = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "jobs": kept}
+    run["submissions"].append(submission)
+    _record(plan.run_dir, run)
+    jobs: dict[str, str] = {}
+    for stage in todo:
+        if stage.name in kept:
+            continue
+        script = plan.run_dir / "jobs" / f"{stage.name}.sbatch"
+        outputs.write_file(script, scripts[stage.name])
+        dependencies = [submission["jobs"][a] for a in stage.after if a in submission["jobs"]]
+        command = ["sbatch", "--parsable"] + (
+            [f"--dependency=afterok:{':'.join(dependencies)}"] if dependencies else []
+        )
+        jobs[stage.name] = _slurm(site.slurm_bin, *command, str(script)).strip().split(";")[0]
+        outputs.kill_point(f"submitted-{stage.name}")
+        submission["jobs"][stage.name] = jobs[stage.name]
+        _record(plan.run_dir, run)
     resumed = f" (resuming at {todo[0].name})" if previous is not None else ""
-    print(f"run {plan.run_id}: submitted {', '.join(f'{s}={j}' for s, j in jobs.items())}{resumed}")
-    return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": jobs, "submitted": True}
+    also = f"; kept queued or running: {', '.join(f'{s}={j}' for s, j in kept.items())}" if kept else ""
+    print(f"run {plan.run_id}: submitted {', '.join(f'{s}={j}' for s, j in jobs.items())}{resumed}{also}")
+    return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": jobs, "kept": kept, "submitted": True}
+
+
+def _record(run_dir: Path, run: dict[str, Any]) -> None:
+    outputs.write_file(run_dir / "run.json", json.dumps(run, indent=2) + "\n")
+
+
+def queued_jobs(run_dir: Path, slurm_bin: str | None) -> dict[str, str]:
+    """Stage -> the newest queued or running job whose batch script is this run's, recorded or not."""
+    found: dict[str, str] = {}
+    scripts = {str(run_dir / "jobs" / f"{stage.name}.sbatch"): stage.name for stage in STAGES}
+    listing = _slurm(slurm_bin, "squeue", "--noheader", "--format=%i|%T|%o")
+    for line in listing.splitlines():
+        job, _, rest = line.strip().partition("|")
+        state, _, command = rest.partition("|")
+        stage = scripts.get(command)
+        if stage is not None and state in ACTIVE_STATES and job.isdigit():
+            found[stage] = max(found.get(stage, job), job, key=int)
+    return found
 
 
 def find_run_dir(site: Site, run_id: str | None) -> Path:
@@ -479,12 +505,15 @@ def print_status(run_dir: Path) -> list[dict[str, Any]]:
 def cancel(run_dir: Path) -> list[str]:
     """Cancel the run's queued and running jobs; a failed scancel is an error, never ignored.
 
-    Jobs Slurm has finished or forgotten are left out: scancel fails on an id it no longer knows.
+    Jobs Slurm has finished or forgotten are left out: scancel fails on an id it no longer knows. Jobs of
+    the run's scripts that run.json does not record (a submit killed right after an sbatch) are found in
+    Slurm's queue and cancelled too.
     """
     run = read_run(run_dir)
     slurm_bin = run_slurm_bin(run)
     every = sorted({j for submission in run["submissions"] for j in submission["jobs"].values()}, key=int)
-    jobs = [job for job in every if job_info(job, slurm_bin).get("JobState") in ACTIVE_STATES]
+    recorded = {job for job in every if job_info(job, slurm_bin).get("JobState") in ACTIVE_STATES}
+    jobs = sorted(recorded | set(queued_jobs(run_dir, slurm_bin).values()), key=int)
     if jobs:
         _slurm(slurm_bin, "scancel", *jobs)
     print(f"run {run_dir.name}: cancelled jobs {', '.join(jobs) or '(none active)'}")

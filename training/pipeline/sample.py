@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from training import outputs
 from training.config.recipe import Recipe
 from training.errors import UserError
 
@@ -58,12 +59,10 @@ def sample(recipe: Recipe, model_directory: Path, output: Path) -> list[dict[str
                 "top_k": tokenizer.decode(top_k[0, length:], skip_special_tokens=True),
             }
         )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial")
-    partial.write_text(
-        json.dumps({"model": str(model_directory), "top_k": settings.top_k, "samples": results}, indent=2) + "\n"
+    outputs.write_file(
+        output,
+        json.dumps({"model": str(model_directory), "top_k": settings.top_k, "samples": results}, indent=2) + "\n",
     )
-    partial.replace(output)
     for result in results:
         log.info(f"prompt: {result['prompt']!r} greedy: {result['greedy']!r} top-{settings.top_k}: {result['top_k']!r}")
     log.info(f"{len(results)} samples written to {output}")
