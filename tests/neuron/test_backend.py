@@ -219,14 +219,38 @@ def test_a_planted_pickle_in_a_checkpoint_never_reaches_nxds_loader(
     assert not marker.exists()
 
 
-def test_xser_checkpoints_convert_like_plain_ones(
-    worlds: dict[str, dict[str, Path]], runs: dict[str, Path], tmp_path: Path
-) -> None:
-    """`convert --from nxd` reads what training saved through neuronx-distributed, plain and xser alike."""
-    checkpoints = tmp_path / "xser"
+@pytest.fixture(scope="module")
+def xser_run(worlds: dict[str, dict[str, Path]], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Llama run again, its checkpoints saved by NxD's xser format."""
+    checkpoints = tmp_path_factory.mktemp("xser") / "checkpoints"
     result = train(worlds["llama"], "llama", "neuron", checkpoints, "checkpoint.xser=true")
     assert result.returncode == 0, result.stderr[-4000:]
     assert list((checkpoints / f"step_{STEPS}" / "model").glob("*.pt.tensors"))  # xser: one file per tensor
+    return checkpoints
+
+
+def test_a_planted_pickle_in_an_xser_tensor_file_never_reaches_nxds_loader(
+    worlds: dict[str, dict[str, Path]], xser_run: Path, tmp_path: Path
+) -> None:
+    checkpoints = tmp_path / "planted"
+    shutil.copytree(xser_run, checkpoints)
+    tensors = next((checkpoints / f"step_{STEPS}" / "model").glob("*.pt.tensors"))
+    planted = sorted(tensors.glob("*.pt"))[0]
+    marker = tmp_path / "PWNED"
+    torch.save(_Payload(marker), planted)
+    result = train(worlds["llama"], "llama", "neuron", checkpoints, "checkpoint.xser=true", resume=True)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {planted}: refused to unpickle posix.system (it could run code); allowed: a torch.save file of "
+        "tensors, numbers, strings, lists, tuples and dicts"
+    ], result.stderr[-3000:]
+    assert not marker.exists()
+
+
+def test_xser_checkpoints_convert_like_plain_ones(runs: dict[str, Path], xser_run: Path) -> None:
+    """`convert --from nxd` reads what training saved through neuronx-distributed, plain and xser alike."""
+    checkpoints = xser_run
     plain = runs["llama-neuron"]
     for which in (plain, checkpoints):
         if not (which / "hf-final").exists():

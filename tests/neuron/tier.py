@@ -22,7 +22,9 @@ LOCK = ROOT / "assets" / "node" / "cluster-requirements.txt"
 STANDINS = Path(__file__).resolve().parent / "standins"
 DEFAULT_NXD_SOURCE = ROOT.parent / "shared" / "vendor" / "neuronx-distributed-2.28.0.tar.gz"
 CACHE = Path(os.environ.get("NEURON_TIER_CACHE", Path.home() / ".cache" / "trainium-training"))
-TEST_TOOLS = ("pytest==9.2.0",)
+# pytest, and moto's standalone server (moto, flask, flask-cors) for the S3 export tests; pinned as in
+# pyproject.toml's dev extra, constrained by the lock.
+TEST_TOOLS = ("pytest==9.2.0", "moto==5.2.5", "flask==3.1.3", "flask-cors==6.0.5")
 TESTS = ("tests/neuron", "tests/training")
 
 
@@ -34,21 +36,19 @@ def environment(cache: Path = CACHE) -> Path:
     """The tier's virtual environment for the current lock (built on first use; a half-built one is redone)."""
     target = cache / f"neuron-venv-{digest(LOCK)}"
     python = target / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     if not (target / ".complete").exists():
         print(f"neuron tier: building {target} from {LOCK.relative_to(ROOT)} (several GB, once)", flush=True)
         venv.EnvBuilder(clear=True, with_pip=True).create(target)
-        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-        # The lock as it is (no resolution), then the test runner constrained by it, then pip's own check
-        # that the installed set is consistent.
+        # The lock as it is (no resolution); then the test tools below.
         subprocess.run([*pip, "--no-deps", "-r", str(LOCK)], check=True)
-        subprocess.run([*pip, "-c", str(LOCK), *TEST_TOOLS], check=True)
-        subprocess.run([str(python), "-m", "pip", "check"], check=True)
         (target / ".complete").touch()
+    # The test tools constrained by the lock, on every run (nothing to do once they are there, and a cached
+    # environment gets tools added since), then pip's own check that the installed set is consistent.
+    subprocess.run([*pip, "-c", str(LOCK), *TEST_TOOLS], check=True)
+    subprocess.run([str(python), "-m", "pip", "check"], check=True)
     # The project itself, without dependencies: the lock is the whole environment.
-    project = ["--no-deps", "--no-build-isolation", "-e", str(ROOT)]
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *project], check=True
-    )
+    subprocess.run([*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)], check=True)
     return target
 
 

@@ -43,8 +43,12 @@ def sample(recipe: Recipe, model_directory: Path, output: Path) -> list[dict[str
     results = []
     for prompt in settings.prompts:
         text = prompt_text(recipe, model_directory, prompt)
+        # No token_type_ids: causal models take none, and the cluster's transformers refuses unused inputs.
         encoded = tokenizer(
-            text, return_tensors="pt", add_special_tokens=not text.startswith(tokenizer.bos_token or "\0")
+            text,
+            return_tensors="pt",
+            return_token_type_ids=False,
+            add_special_tokens=not text.startswith(tokenizer.bos_token or "\0"),
         )
         length = encoded["input_ids"].shape[1]
         common: dict[str, Any] = {"max_new_tokens": settings.max_new_tokens, "pad_token_id": tokenizer.eos_token_id}
