@@ -199,7 +199,14 @@ def test_missing_file(llama_tokenizer: Path, tmp_path: Path, capsys: pytest.Capt
 def test_unknown_dataset(
     llama_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import datasets
+    import huggingface_hub
+
+    # As on a machine without the hub. The libraries read HF_HUB_OFFLINE when imported, which this session
+    # did already: without their constants set too, they would try the network (about 20 s of retries).
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     status, error = run_cli(
