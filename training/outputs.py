@@ -63,7 +63,8 @@ MANIFEST = "manifest.json"
 KINDS = ("tmp", "old", "scratch")
 # Fault injection for the kill tests: SIGKILL this process at the named point of publishing an output
 # (before-rename, between-renames: only when replacing, after-rename) or of submitting a run
-# (submitted-STAGE: after that stage's sbatch, before run.json records it). Unset in production.
+# (submitted-STAGE: after that stage's sbatch, before run.json records it) or of exporting to S3
+# (uploaded-N: after N objects). Unset in production.
 KILL_AT = "TRAINING_OUTPUTS_KILL_AT"
 # "0": replace with two renames even where the file system could swap (the kill tests cover both ways).
 EXCHANGE = "TRAINING_OUTPUTS_EXCHANGE"
@@ -218,6 +219,16 @@ def scratch_directory(final: Path) -> Iterator[Path]:
         yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def files_fingerprint(root: Path, relatives: list[Path]) -> dict[str, Any]:
+    """What an output was made from: these files under `root`, by name, size and modification time (cheap
+    on multi-GB models; any rewrite changes the modification time)."""
+    digest = hashlib.sha256()
+    for relative in relatives:
+        stat = (root / relative).stat()
+        digest.update(f"{relative.as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return {"directory": str(root.resolve()), "files": len(relatives), "sha256": digest.hexdigest()}
 
 
 def write_file(final: Path, text: str) -> None:

@@ -197,6 +197,16 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def assert_refused_in_one_line(result: subprocess.CompletedProcess[str], planted: Path, marker: Path) -> None:
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {planted}: refused to unpickle posix.system (it could run code); allowed: a torch.save file of "
+        "tensors, numbers, strings, lists, tuples and dicts"
+    ], result.stderr[-3000:]
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("part", ["model", "optim", "scheduler.pt", "user_content.pt"])
 def test_a_planted_pickle_in_a_checkpoint_never_reaches_nxds_loader(
     part: str, worlds: dict[str, dict[str, Path]], runs: dict[str, Path], tmp_path: Path
@@ -210,13 +220,7 @@ def test_a_planted_pickle_in_a_checkpoint_never_reaches_nxds_loader(
     marker = tmp_path / "PWNED"
     torch.save({"state": _Payload(marker)}, planted)
     result = train(worlds["llama"], "llama", "neuron", checkpoints, resume=True)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [
-        f"error: {planted}: refused to unpickle posix.system (it could run code); allowed: a torch.save file of "
-        "tensors, numbers, strings, lists, tuples and dicts"
-    ], result.stderr[-3000:]
-    assert not marker.exists()
+    assert_refused_in_one_line(result, planted, marker)
 
 
 @pytest.fixture(scope="module")
@@ -239,13 +243,7 @@ def test_a_planted_pickle_in_an_xser_tensor_file_never_reaches_nxds_loader(
     marker = tmp_path / "PWNED"
     torch.save(_Payload(marker), planted)
     result = train(worlds["llama"], "llama", "neuron", checkpoints, "checkpoint.xser=true", resume=True)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [
-        f"error: {planted}: refused to unpickle posix.system (it could run code); allowed: a torch.save file of "
-        "tensors, numbers, strings, lists, tuples and dicts"
-    ], result.stderr[-3000:]
-    assert not marker.exists()
+    assert_refused_in_one_line(result, planted, marker)
 
 
 def test_xser_checkpoints_convert_like_plain_ones(runs: dict[str, Path], xser_run: Path) -> None:

@@ -27,7 +27,6 @@ from training.cli import main
 from training.errors import UserError
 from training.local.tiny import sample_conversations, sample_documents, tiny_model, train_tokenizer, write_jsonl
 from training.outputs import Owner, atomic_directory, owner_is_gone, reusable, sibling_name, write_manifest
-from training.pipeline import export
 
 FINGERPRINT = {"inputs": "new"}
 
@@ -538,7 +537,7 @@ def test_a_killed_export_to_s3_has_no_manifest_and_its_rerun_completes_it(
         assert run(["export", "--run-dir", str(world.runs["old"]), *destination]).returncode == 0
         assert exported_to_s3(bucket, "results/r1/")["manifest"]["run_id"] == "run-old"
     command = ["export", "--run-dir", str(world.runs["new"]), *destination]
-    killed = run(command, **{export.KILL_AFTER_UPLOADS: "3"})
+    killed = run(command, **{outputs.KILL_AT: "uploaded-3"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert exported_to_s3(bucket, "results/r1/") == {}  # a reader sees no complete export, not a mix
     assert len(objects(bucket, "results/r1/")) >= 3

@@ -30,7 +30,7 @@ from training.formats.layouts import Rule, all_rules
 from training.formats.readers import nbytes, release_mappings
 from training.formats.sharded import ShardedSource, ShardedTarget
 from training.logs import Progress
-from training.outputs import atomic_directory, reusable, write_manifest
+from training.outputs import atomic_directory, files_fingerprint, reusable, write_manifest
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter, from glibc's malloc.h
 CheckpointFormat = Literal["hf", "nxd", "nemo"]
@@ -284,9 +284,4 @@ def _layout(options: ConvertOptions, source: Source) -> Literal["nxd", "nemo"]:
 
 
 def _fingerprint_files(directory: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    files = sorted(p for p in directory.rglob("*") if p.is_file())
-    for path in files:
-        stat = path.stat()
-        digest.update(f"{path.relative_to(directory)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return {"directory": str(directory.resolve()), "files": len(files), "sha256": digest.hexdigest()}
+    return files_fingerprint(directory, sorted(p.relative_to(directory) for p in directory.rglob("*") if p.is_file()))

@@ -14,11 +14,8 @@ everything again over the same keys.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +23,6 @@ from training import outputs
 from training.errors import UserError
 
 EXPORTED = ("hf", "checkpoints/metrics.jsonl", "samples.json", "logs", "run.json", "recipe.yaml")
-# Fault injection for the kill tests: SIGKILL after uploading this many objects to S3. Unset in production.
-KILL_AFTER_UPLOADS = "TRAINING_EXPORT_KILL_AFTER_UPLOADS"
 
 
 def files_to_export(run_dir: Path, with_checkpoints: bool) -> list[Path]:
@@ -43,15 +38,6 @@ def files_to_export(run_dir: Path, with_checkpoints: bool) -> list[Path]:
     return sorted(found)
 
 
-def fingerprint(run_dir: Path, files: list[Path]) -> dict[str, Any]:
-    """What the export was made from: the run and each file's name, size and modification time."""
-    digest = hashlib.sha256()
-    for relative in files:
-        stat = (run_dir / relative).stat()
-        digest.update(f"{relative.as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return {"run_dir": str(run_dir.resolve()), "files": len(files), "sha256": digest.hexdigest()}
-
-
 def export(
     run_dir: Path, destination: str, *, with_checkpoints: bool = False, overwrite: bool = False
 ) -> dict[str, Any]:
@@ -60,7 +46,7 @@ def export(
     files = files_to_export(run_dir, with_checkpoints)
     manifest = {
         "kind": "export",
-        "fingerprint": fingerprint(run_dir, files),
+        "fingerprint": outputs.files_fingerprint(run_dir, files),
         "run_id": json.loads((run_dir / "run.json").read_text()).get("run_id"),
         "files": [relative.as_posix() for relative in files],
         "bytes": sum((run_dir / f).stat().st_size for f in files),
@@ -97,11 +83,9 @@ def _to_s3(run_dir: Path, files: list[Path], destination: str, manifest: dict[st
     def key(name: str) -> str:
         return f"{prefix.rstrip('/')}/{name}" if prefix.strip("/") else name
 
-    kill_after = int(os.environ.get(KILL_AFTER_UPLOADS, "-1"))
     client.delete_object(Bucket=bucket, Key=key(outputs.MANIFEST))  # incomplete until the new one is up
     for count, relative in enumerate(files):
-        if count == kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
+        outputs.kill_point(f"uploaded-{count}")
         client.upload_file(str(run_dir / relative), bucket, key(relative.as_posix()))
     if prefix.strip("/"):  # objects an earlier export left that this one does not have (never a whole bucket)
         wanted = {key(relative.as_posix()) for relative in files}
