@@ -186,6 +186,37 @@ class LoggingConfig(StrictModel):
     retention_days: RetentionDays = 14
 
 
+EMAIL_PATTERN = r"^[^@\s]+@[^@\s]+\.[^@\s]+$"
+# CloudWatch alarms evaluate periods of at most a day.
+MAX_STALL_MINUTES = 1440
+
+
+class MonitoringConfig(StrictModel):
+    """The CloudWatch dashboard and alarms; every alarm and budget notice goes to one SNS topic."""
+
+    alarm_email: Annotated[
+        str | None, Field(strict=True, pattern=EMAIL_PATTERN), Allowed("an e-mail address such as ops@example.com")
+    ] = Field(None, description="subscribed to the alarm topic (AWS sends a confirmation first); omit for none")
+    stall_minutes: Annotated[
+        int, Field(strict=True, ge=5, le=MAX_STALL_MINUTES), Allowed(f"5 to {MAX_STALL_MINUTES} minutes")
+    ] = Field(
+        30,
+        description="alarm when a training job runs and no step is logged for this long (longer than a step "
+        "times the recipe's log_every, and than loading a checkpoint)",
+    )
+
+
+class BudgetConfig(StrictModel):
+    """An AWS Budgets cost budget for the account: notices at 80 % and 100 %, and the compute fleet stopped."""
+
+    monthly_usd: Annotated[
+        float | None, Field(strict=True, gt=0, le=10**9, allow_inf_nan=False), Allowed("a number of US dollars above 0")
+    ] = Field(None, description="the month's limit in USD; omit for no budget")
+    stop_fleet_at_percent: Annotated[
+        int | None, Field(strict=True, ge=1, le=1000), Allowed("1 to 1000 (percent of monthly_usd), or null")
+    ] = Field(100, description="stop the cluster's compute fleet when actual cost reaches this; null: notify only")
+
+
 class PipelineConfig(StrictModel):
     """What `cdk deploy` starts on the cluster once it exists (a bundled recipe of training/train/recipes/)."""
 
@@ -221,6 +252,8 @@ class EnvironmentConfig(StrictModel):
     )
     storage: StorageConfig = StorageConfig()
     logging: LoggingConfig = LoggingConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
+    budget: BudgetConfig = BudgetConfig()
     pipeline: PipelineConfig = PipelineConfig()
     tags: dict[Str, Str] = Field(default_factory=dict)
 

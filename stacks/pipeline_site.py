@@ -12,6 +12,7 @@ from typing import Any
 from stacks.config import EnvironmentConfig
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES
 from training.config.site import Site
+from training.monitoring.cloudwatch import namespace_of
 
 # Where ParallelCluster installs Slurm; only login shells get it on PATH (/etc/profile.d/slurm.sh).
 PARALLELCLUSTER_SLURM_BIN = "/opt/slurm/bin"
@@ -48,5 +49,7 @@ def site_settings(config: EnvironmentConfig, *, neuron_release: str, results_uri
         compile_cache=f"{mount}/{NEURON_CACHE_FOLDER}",
         max_restarts=3,
         time_minutes=0,
+        region=config.region,
+        metrics_namespace=namespace_of(config.name),
     )
     return site.model_dump(mode="json")

@@ -14,10 +14,12 @@ from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES
 from stacks.log_groups import log_group_with_retention
 from stacks.network import Network
+from stacks.notifications import Notifications
 from stacks.pcluster_config import ClusterSettings
 from stacks.pipeline import SOURCE_PREFIX, SSM_OUTPUT_PREFIX, Pipeline, SharedEnvironment
 from stacks.pipeline_site import EXECUTED_FOLDERS, shared_env_path, site_settings
 from stacks.storage import Storage
+from training.monitoring.cloudwatch import namespace_of
 
 # Where the export stage writes each run's results in the bucket.
 RESULTS_PREFIX = "results"
@@ -95,7 +97,7 @@ class TrainingEnvironmentStack(Stack):
             "Cluster",
             cluster_name=config.cluster_name,
             settings=cluster_settings(config),
-            metrics_namespace=f"Trainium/{config.name}",
+            metrics_namespace=namespace_of(config.name),
             neuron_release=neuron_release,
             shared_env=shared_env_path(config, neuron_release),
             health=node_health(config),
@@ -114,6 +116,13 @@ class TrainingEnvironmentStack(Stack):
             compute_node_access=self.storage.results_access(
                 read_prefixes=(NODE_FILES_PREFIX, f"{RESULTS_PREFIX}/"), write_prefixes=(f"{RESULTS_PREFIX}/",)
             ),
+        )
+
+        self.notifications = Notifications(
+            self,
+            "Notifications",
+            topic_name=f"{config.stack_name}-alarms",
+            email=config.monitoring.alarm_email,
         )
 
         head_node = self.cluster.head_node_instance_id

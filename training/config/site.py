@@ -66,6 +66,12 @@ class Site(StrictModel):
     compile_cache: FlagPath = "/fsx/neuron-cache"
     max_restarts: Restarts = Field(3, description="requeues of a failed training job before it fails for good")
     time_minutes: TimeMinutes = Field(0, description="per-job time limit; 0: none")
+    region: Annotated[
+        str | None, Strict(), Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d+$"), Allowed("an AWS region such as us-west-2")
+    ] = Field(None, description="the AWS region of the jobs' AWS calls (CloudWatch metrics, S3 exports)")
+    metrics_namespace: Annotated[
+        str | None, Strict(), Field(pattern=r"^[A-Za-z0-9/_.#:-]{1,255}$"), Allowed("a CloudWatch namespace")
+    ] = Field(None, description="CloudWatch namespace of the training metrics; omit to keep them in files only")
 
 
 def load_site(path: Path | None) -> Site:

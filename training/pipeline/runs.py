@@ -259,6 +259,8 @@ def render(plan: RunPlan) -> dict[str, str]:
             "neuron": site.neuron,
             "efa": site.efa,
             "compile_cache": site.compile_cache,
+            "region": site.region,
+            "metrics_namespace": site.metrics_namespace,
             "python": python,
             "python_bin": os.path.dirname(python),
             "scontrol": f"{slurm}scontrol",

@@ -1,0 +1,95 @@
+"""The metrics every publisher sends to CloudWatch, named once: the dashboard and alarms (stacks/) read them here.
+
+Every metric is in the environment's namespace, `Trainium/<environment>`. Each is sent without dimensions,
+so the dashboard and alarms can name it before any run exists; training metrics are also sent with the
+run's id (dimension `Run`), Neuron metrics with the instance (`InstanceId`), to tell runs and nodes apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+NAMESPACE_PREFIX = "Trainium/"
+
+# Rank 0 of the training job, at every logged step.
+TRAINING_STEP = "TrainingStep"
+TRAINING_LOSS = "TrainingLoss"
+VALIDATION_LOSS = "ValidationLoss"
+LEARNING_RATE = "LearningRate"
+GRADIENT_NORM = "GradientNorm"
+TOKENS_PER_SECOND = "TokensPerSecond"
+SEQUENCES_PER_SECOND = "SequencesPerSecond"
+MFU = "ModelFlopsUtilization"  # percent of the workers' peak
+MOE_DROPPED_TOKENS = "MoEDroppedTokens"  # percent of the step's token-expert choices
+# The head node, every minute.
+SLURM_JOBS = "SlurmJobs"  # dimension State: RUNNING or PENDING
+TRAINING_JOBS_RUNNING = "TrainingJobsRunning"  # jobs of the train stage that are running
+FAILED_STAGES = "FailedStages"  # stages of the newest run that ended in failure
+SLURM_NODES = "SlurmNodes"  # dimensions Partition and State (allocated, idle, powering, down)
+# Each compute node, every minute, from the Neuron monitor.
+NEURONCORE_UTILIZATION = "NeuronCoreUtilization"  # percent, the mean over the node's NeuronCores
+NEURONCORE_MEMORY_USED = "NeuronCoreMemoryUsed"  # bytes, the most any of the node's NeuronCores holds
+NEURON_DEVICE_MEMORY_USED = "NeuronDeviceMemoryUsed"  # bytes, all of the node's Neuron devices
+
+RUN_DIMENSION = "Run"
+INSTANCE_DIMENSION = "InstanceId"
+# PutMetricData takes at most 1000 values per request; fewer keep each request far below its 1 MB.
+BATCH_SIZE = 500
+
+
+def namespace_of(environment: str) -> str:
+    return f"{NAMESPACE_PREFIX}{environment}"
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One value of one metric, with the dimensions it is sent with (besides the one without any)."""
+
+    name: str
+    value: float
+    unit: str = "None"
+    dimensions: Mapping[str, str] = field(default_factory=dict)
+
+    def as_api(self, timestamp: float | None = None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"MetricName": self.name, "Value": float(self.value), "Unit": self.unit}
+        if self.dimensions:
+            entry["Dimensions"] = [{"Name": k, "Value": v} for k, v in sorted(self.dimensions.items())]
+        if timestamp is not None:
+            entry["Timestamp"] = timestamp
+        return entry
+
+
+class MetricsClient(Protocol):
+    def put_metric_data(self, **kwargs: Any) -> Any: ...
+
+
+def batches(data: Iterable[Datum], timestamp: float | None = None) -> Iterator[list[dict[str, Any]]]:
+    """PutMetricData's MetricData lists, at most BATCH_SIZE values each."""
+    batch: list[dict[str, Any]] = []
+    for datum in data:
+        batch.append(datum.as_api(timestamp))
+        if len(batch) == BATCH_SIZE:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def put_metrics(client: MetricsClient, namespace: str, data: Iterable[Datum], timestamp: float | None = None) -> int:
+    """Send `data` in as few requests as the API allows; the number of requests sent."""
+    sent = 0
+    for batch in batches(data, timestamp):
+        client.put_metric_data(Namespace=namespace, MetricData=batch)
+        sent += 1
+    return sent
+
+
+def with_dimension(data: Iterable[Datum], name: str, value: str) -> list[Datum]:
+    """Each datum as it is, and again with one more dimension (a run, an instance)."""
+    result: list[Datum] = []
+    for datum in data:
+        result.append(datum)
+        result.append(Datum(datum.name, datum.value, datum.unit, {**datum.dimensions, name: value}))
+    return result
