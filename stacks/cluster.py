@@ -60,9 +60,12 @@ class NodeHealth:
 
 
 def bootstrap_arguments(
-    *, neuron_release: str, shared_env: str, requirements_uri: str, health: NodeHealth
+    *, neuron_release: str, shared_env: str, requirements_uri: str, health: NodeHealth, environment_name: str
 ) -> tuple[str, ...]:
     """Arguments of the OnNodeConfigured script: nothing that changes with the training code.
+
+    The environment's name tells the nodes' metric publishers which site file to follow (its namespace and
+    region).
 
     The requirement set is passed by its stable S3 key, not by content, so a new lock never changes the
     cluster configuration; the pipeline brings the shared environment up to date before a new run.
@@ -71,6 +74,7 @@ def bootstrap_arguments(
         *("--neuron-release", neuron_release, "--shared-env", shared_env, "--requirements", requirements_uri),
         *("--trainium-partition", health.partition),
         *("--neuron-devices", str(health.neuron_devices), "--efa-devices", str(health.efa_devices)),
+        *("--environment", environment_name),
     )
 
 
@@ -87,6 +91,7 @@ class Cluster(Construct):
         construct_id: str,
         *,
         cluster_name: str,
+        environment_name: str,
         settings: ClusterSettings,
         metrics_namespace: str,
         neuron_release: str,
@@ -136,7 +141,11 @@ class Cluster(Construct):
             compute_node_policy_arn=self.compute_node_policy.managed_policy_arn,
             bootstrap_script_url=self.bootstrap_script.s3_object_url,
             bootstrap_args=bootstrap_arguments(
-                neuron_release=neuron_release, shared_env=shared_env, requirements_uri=requirements_uri, health=health
+                neuron_release=neuron_release,
+                shared_env=shared_env,
+                requirements_uri=requirements_uri,
+                health=health,
+                environment_name=environment_name,
             ),
         )
         self.resource = CustomResource(

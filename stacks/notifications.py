@@ -55,5 +55,7 @@ class Notifications(Construct):
             self.topic.add_subscription(subscriptions.EmailSubscription(email))
 
     def grant_publish(self, grantee: iam.IGrantable) -> None:
-        """Publish to the topic (a Lambda function's notices): the topic and its key."""
-        self.topic.grant_publish(grantee)
+        """Publish to the topic (a Lambda function's notices): the topic, and the two key actions SNS needs
+        of a publisher (Topic.grant_publish would grant kms:GenerateDataKey*, a wildcard)."""
+        iam.Grant.add_to_principal(grantee=grantee, actions=["sns:Publish"], resource_arns=[self.topic.topic_arn])
+        self.key.grant(grantee, "kms:Decrypt", "kms:GenerateDataKey")

@@ -9,17 +9,22 @@ from __future__ import annotations
 from aws_cdk import CfnOutput, Environment, Stack, Tags
 from constructs import Construct
 
+from stacks.budget import BudgetGuard
 from stacks.cluster import NODE_FILES_PREFIX, Cluster, NodeHealth, bootstrap_neuron_release
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES
 from stacks.log_groups import log_group_with_retention
+from stacks.monitoring import MemoryPlanLine, Monitoring
 from stacks.network import Network
 from stacks.notifications import Notifications
 from stacks.pcluster_config import ClusterSettings
 from stacks.pipeline import SOURCE_PREFIX, SSM_OUTPUT_PREFIX, Pipeline, SharedEnvironment
 from stacks.pipeline_site import EXECUTED_FOLDERS, shared_env_path, site_settings
 from stacks.storage import Storage
+from training.config.recipe import load_recipe
+from training.errors import UserError
 from training.monitoring.cloudwatch import namespace_of
+from training.train.memory import HARDWARE, planned_gib_per_core
 
 # Where the export stage writes each run's results in the bucket.
 RESULTS_PREFIX = "results"
@@ -38,6 +43,20 @@ def cluster_settings(config: EnvironmentConfig) -> ClusterSettings:
         log_retention_days=config.logging.retention_days,
         tags=config.tags,
     )
+
+
+def memory_plan_line(config: EnvironmentConfig) -> MemoryPlanLine | None:
+    """The pipeline recipe's memory plan on the Trainium queue's instances, for the dashboard."""
+    hardware = HARDWARE.get(config.compute.instance_type)
+    if hardware is None:
+        return None
+    try:
+        planned = planned_gib_per_core(load_recipe(config.pipeline.recipe, config.pipeline.overrides), hardware)
+    except UserError:  # a layout these instances cannot hold; the deploy refuses to start such a run
+        return None
+    if planned is None:
+        return None
+    return MemoryPlanLine(config.pipeline.recipe, planned, hardware.hbm_gib_per_core)
 
 
 def node_health(config: EnvironmentConfig) -> NodeHealth:
@@ -96,6 +115,7 @@ class TrainingEnvironmentStack(Stack):
             self,
             "Cluster",
             cluster_name=config.cluster_name,
+            environment_name=config.name,
             settings=cluster_settings(config),
             metrics_namespace=namespace_of(config.name),
             neuron_release=neuron_release,
@@ -124,6 +144,17 @@ class TrainingEnvironmentStack(Stack):
             topic_name=f"{config.stack_name}-alarms",
             email=config.monitoring.alarm_email,
         )
+        if config.budget.monthly_usd is not None:
+            self.budget = BudgetGuard(
+                self,
+                "Budget",
+                budget_name=config.stack_name,
+                monthly_usd=config.budget.monthly_usd,
+                stop_at_percent=config.budget.stop_fleet_at_percent,
+                cluster_name=config.cluster_name,
+                notifications=self.notifications,
+                log_retention_days=retention_days,
+            )
 
         head_node = self.cluster.head_node_instance_id
         bucket = self.storage.bucket
@@ -157,6 +188,18 @@ class TrainingEnvironmentStack(Stack):
             code_writer=self.pipeline.source.handler_role,
             imported=EXECUTED_FOLDERS,
         )
+        self.monitoring = Monitoring(
+            self,
+            "Monitoring",
+            name=config.stack_name,
+            namespace=namespace_of(config.name),
+            topic=self.notifications.topic,
+            stall_minutes=config.monitoring.stall_minutes,
+            file_system_id=self.storage.file_system.file_system_id,
+            fsx_capacity_gib=config.storage.fsx_capacity_gib,
+            head_node_instance_id=head_node,
+            memory_plan=memory_plan_line(config),
+        )
         CfnOutput(self, "ClusterName", value=config.cluster_name, description="ParallelCluster cluster name")
         CfnOutput(self, "HeadNodeInstanceId", value=head_node, description="EC2 instance id of the head node")
         CfnOutput(
@@ -174,4 +217,12 @@ class TrainingEnvironmentStack(Stack):
             description="Run started by this deployment (empty when pipeline.start_run is false)",
         )
         CfnOutput(self, "PipelineRunDirectory", value=self.pipeline.run_dir, description="On the cluster's /fsx")
+        CfnOutput(
+            self,
+            "DashboardUrl",
+            value=f"https://{config.region}.console.aws.amazon.com/cloudwatch/home?region={config.region}"
+            f"#dashboards/dashboard/{config.stack_name}",
+            description="CloudWatch dashboard: training, Slurm, nodes, FSx, Neuron devices, alarms",
+        )
+        CfnOutput(self, "AlarmTopicArn", value=self.notifications.topic.topic_arn, description="Alarms and budget")
         CfnOutput(self, "PipelineJobIds", value=self.pipeline.job_ids, description="Slurm job id per stage")

@@ -46,6 +46,8 @@ EXAMPLES = {  # one per subcommand, shown by --help; {prog} is `python -m traini
     "cancel": "{prog} cancel --run-id llama31-8b-cpt-20250601-120000 --site /fsx/pipeline/site-default.yaml",
     "sample": "{prog} sample --recipe RUN_DIR/recipe.yaml --input RUN_DIR/hf --output RUN_DIR/samples.json",
     "export": "{prog} export --run-dir RUN_DIR --output s3://BUCKET/results/RUN_ID",
+    "monitor cluster": "{prog} monitor cluster --site /fsx/pipeline/site-default.yaml --dry-run",
+    "monitor neuron": "{prog} monitor neuron --site /fsx/pipeline/site-default.yaml",
 }
 
 
@@ -72,7 +74,7 @@ def _epilog(prog: str) -> str:
         f"bundled recipes (--recipe NAME): {', '.join(bundled_recipes()) or '(none)'}\n\n"
         f"examples:\n{examples}\n\n"
         f"environment:\n"
-        f"  {SITE_VARIABLE:<20}site settings file used when --site is not given (submit, status, cancel)\n"
+        f"  {SITE_VARIABLE:<20}site settings file used when --site is not given (submit, status, cancel, monitor)\n"
         f"  {LEVEL_VARIABLE:<20}log level: DEBUG, INFO (default), WARNING or ERROR; logs go to stderr"
     )
 
@@ -274,6 +276,41 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--overwrite", action="store_true", help="replace a local export made from other files (S3: always replaced)"
     )
+
+    monitor = commands.add_parser(
+        "monitor",
+        help="publish the cluster's metrics to CloudWatch (the site's metrics_namespace and region)",
+        description="publish the cluster's metrics to CloudWatch (the site's metrics_namespace and region)",
+        epilog="examples:\n"
+        + "\n".join(f"  {EXAMPLES[k].format(prog=prog)}" for k in ("monitor cluster", "monitor neuron")),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    ).add_subparsers(dest="target", required=True, metavar="TARGET")
+    cluster = _command(
+        monitor,
+        "cluster",
+        "one pass on the head node: Slurm jobs and nodes, running training jobs, failed stages of the newest run",
+        prog,
+        EXAMPLES["monitor cluster"],
+    )
+    neuron = _command(
+        monitor,
+        "neuron",
+        "on a Trainium node, until neuron-monitor exits: NeuronCore utilisation and device memory every minute",
+        prog,
+        EXAMPLES["monitor neuron"],
+    )
+    for command in (cluster, neuron):
+        command.add_argument("--site", type=Path, metavar="FILE", help=site_help)
+        command.add_argument(
+            "--dry-run", action="store_true", help="print the PutMetricData requests as JSON lines, send nothing"
+        )
+    neuron.add_argument(
+        "--neuron-monitor",
+        default="/opt/aws/neuron/bin/neuron-monitor",
+        metavar="PATH",
+        help="the neuron-monitor executable (default: %(default)s, from aws-neuronx-tools)",
+    )
     return parser
 
 
@@ -307,8 +344,8 @@ def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 done, 1 `status` of a failed run or a `plan` that does not fit, 2 user error (argparse's
-    own errors included)."""
+    """Exit status: 0 done, 1 `status` of a failed run, a `plan` that does not fit or `monitor neuron` once
+    neuron-monitor has exited, 2 user error (argparse's own errors included)."""
     arguments = build_parser().parse_args(argv)
     try:
         setup_logging(training=arguments.command == "train")
@@ -318,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(arguments)
         if arguments.command in ("submit", "status", "cancel", "sample", "export"):
             return _pipeline(arguments)
+        if arguments.command == "monitor":
+            return _monitor(arguments)
         manifest = _run(arguments)
     except UserError as error:
         report(error)
@@ -424,6 +463,26 @@ def site_file(given: Path | None, environ: Mapping[str, str] = os.environ) -> Pa
         return given
     from_environment = environ.get(SITE_VARIABLE, "").strip()
     return Path(from_environment) if from_environment else None
+
+
+def _monitor(arguments: argparse.Namespace) -> int:
+    from training.config.site import load_site
+
+    path = site_file(arguments.site)
+    site = load_site(path)
+    if not site.metrics_namespace:
+        raise UserError(
+            f"{path or 'the local site defaults'}: no metrics_namespace; set it (e.g. Trainium/<environment>) "
+            "to publish CloudWatch metrics"
+        )
+    if arguments.target == "cluster":
+        from training.monitoring.cluster import monitor_cluster
+
+        monitor_cluster(site, dry_run=arguments.dry_run)
+        return 0
+    from training.monitoring.neuron import monitor_neuron
+
+    return monitor_neuron(site, dry_run=arguments.dry_run, executable=arguments.neuron_monitor)
 
 
 def _pipeline(arguments: argparse.Namespace) -> int:

@@ -231,17 +231,22 @@ def files_fingerprint(root: Path, relatives: list[Path]) -> dict[str, Any]:
     return {"directory": str(root.resolve()), "files": len(relatives), "sha256": digest.hexdigest()}
 
 
-def write_file(final: Path, text: str) -> None:
-    """Replace a small file in one rename, so a reader finds the old text or the new, never a part of it.
+def write_file(final: Path, content: str | bytes, *, kill_test: bool = True) -> None:
+    """Replace a small file in one rename, so a reader finds the old content or the new, never a part of it.
     A kill leaves the hidden `.NAME.tmp-OWNER` beside it, removed by the next write once its writer is
-    provably gone (the same rules as for directories)."""
+    provably gone (the same rules as for directories). `kill_test=False` for a file written inside a command
+    whose own renames the kill tests stop at."""
     final = final.absolute()
     final.parent.mkdir(parents=True, exist_ok=True)
     recover(final, warn=False)
     temporary = final.parent / sibling_name(final.name, "tmp", current_owner())
     try:
-        temporary.write_text(text, encoding="utf-8")
-        kill_point("before-rename")
+        if isinstance(content, bytes):
+            temporary.write_bytes(content)
+        else:
+            temporary.write_text(content, encoding="utf-8")
+        if kill_test:
+            kill_point("before-rename")
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)

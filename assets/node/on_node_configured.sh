@@ -7,6 +7,7 @@
 #   on_node_configured.sh --neuron-release 2.28.1 --shared-env /fsx/envs/neuron-2.28.1
 #                         [--requirements FILE|s3://URI] [--pip-index URL] [--apt-suite NAME]
 #                         [--node-type head|compute] [--env-only] [--skip-hosts-fix] [--dry-run]
+#                         [--environment NAME]
 #
 # What it does, by node type:
 #   head node     apt: python3.X-venv and g++ only. Builds the shared Python venv on the shared
@@ -17,6 +18,9 @@
 #                 has to change the cluster's configuration (OnNodeConfigured cannot be updated).
 #   compute node  apt: Neuron driver, runtime, collectives and tools pinned to the release;
 #                 removes the node's own hostname line from /etc/hosts (trn1 multi-NIC fix).
+#   --environment (head and Trainium compute nodes) systemd units publishing CloudWatch metrics with the
+#                 pipeline's code: the head node a timer running `monitor cluster` every minute, each
+#                 Trainium node a service running `monitor neuron` (see "monitoring" below).
 #   login node    nothing (it uses the shared venv).
 #
 # Tests source this file and call its functions; main only runs when the file is executed.
@@ -93,6 +97,7 @@ ARG_SKIP_HOSTS_FIX=0
 ARG_NEURON_DEVICES=0
 ARG_EFA_DEVICES=0
 ARG_TRAINIUM_PARTITION=""
+ARG_ENVIRONMENT=""
 DRY_RUN=0
 
 # Detected state.
@@ -137,6 +142,9 @@ Options:
   --efa-devices N          EFA devices a Trainium node must show (/sys/class/infiniband/*); likewise.
   --trainium-partition P   The Slurm partition of the Trainium nodes: the head node installs a prolog
                            that checks both counts before every job there.
+  --environment NAME       The environment's name: installs the CloudWatch metrics units (head node:
+                           a timer, Trainium nodes: a service) reading <mount>/pipeline/site-NAME.yaml,
+                           where <mount> is the parent of --shared-env's "envs" folder.
   --dry-run                Print the apt/pip/system commands instead of running them.
   -h, --help               Show this help.
 EOF
@@ -193,6 +201,7 @@ set_option() {
     --neuron-devices) ARG_NEURON_DEVICES=${value} ;;
     --efa-devices) ARG_EFA_DEVICES=${value} ;;
     --trainium-partition) ARG_TRAINIUM_PARTITION=${value} ;;
+    --environment) ARG_ENVIRONMENT=${value} ;;
     --apt-suite) ARG_APT_SUITE=${value} ;;
     --node-type) ARG_NODE_TYPE=${value} ;;
     *) usage_error "unknown argument: '${name}'" ;;
@@ -219,7 +228,7 @@ parse_args() {
         shift
         ;;
       --neuron-release | --shared-env | --pip-index | --requirements | --apt-suite | --node-type | \
-        --neuron-devices | --efa-devices | --trainium-partition)
+        --neuron-devices | --efa-devices | --trainium-partition | --environment)
         if (($# < 2)) || [[ "$2" == --* ]]; then
           usage_error "$1 requires a value"
         fi
@@ -267,6 +276,13 @@ validate_args() {
     usage_error "--neuron-devices and --efa-devices must be counts, got '${ARG_NEURON_DEVICES}', '${ARG_EFA_DEVICES}'"
   [[ -z "${ARG_TRAINIUM_PARTITION}" || "${ARG_TRAINIUM_PARTITION}" =~ ^[a-z][a-z0-9-]*$ ]] ||
     usage_error "--trainium-partition must be a queue name, got '${ARG_TRAINIUM_PARTITION}'"
+  if [[ -n "${ARG_ENVIRONMENT}" ]]; then
+    [[ "${ARG_ENVIRONMENT}" =~ ^[a-z0-9][a-z0-9-]*$ ]] ||
+      usage_error "--environment must be an environment name (lowercase letters, digits, '-'), got '${ARG_ENVIRONMENT}'"
+    [[ "$(basename "$(dirname "${ARG_SHARED_ENV}")")" == envs && "$(dirname "$(dirname "${ARG_SHARED_ENV}")")" != / ]] ||
+      usage_error "--environment needs --shared-env of the form <mount>/envs/NAME (the mount holds pipeline/)," \
+        "got '${ARG_SHARED_ENV}'"
+  fi
   if [[ -n "${ARG_REQUIREMENTS}" && ! "${ARG_REQUIREMENTS}" =~ ^(s3://[a-z0-9.-]+/|/)[A-Za-z0-9._/-]+$ ]]; then
     usage_error "--requirements must be an absolute path or an s3:// URI, got '${ARG_REQUIREMENTS}'"
   fi
@@ -726,6 +742,131 @@ build_shared_env() {
   log "shared venv ready: ${target} -> $(basename "${build}")"
 }
 
+# ----------------------------------------------------------------------------- monitoring
+
+# CloudWatch metrics from the nodes (training/monitoring/): the head node's queue, nodes and run stages every
+# minute (a timer), each Trainium node's Neuron devices from neuron-monitor (a service). Both run the pipeline's
+# code, `<mount>/pipeline/current` (a link the pipeline moves to each source it submits), with the shared venv's
+# Python and the pipeline's site file, none of which exists before the pipeline's first submission: until then
+# the timer's service fails each minute and the Neuron service restarts every RestartSec.
+SYSTEMD_DIR="${SYSTEMD_DIR:-/etc/systemd/system}"
+CLUSTER_MONITOR_UNIT="trainium-monitor-cluster"
+NEURON_MONITOR_UNIT="trainium-monitor-neuron"
+
+monitor_mount_dir() {
+  dirname "$(dirname "${ARG_SHARED_ENV}")"
+}
+
+# `monitor cluster|neuron` as the units run it: absolute paths only (a unit has no login PATH).
+monitor_command() {
+  local target=$1 mount
+  mount=$(monitor_mount_dir)
+  printf '%s/bin/python -m training monitor %s --site %s/pipeline/site-%s.yaml' \
+    "${ARG_SHARED_ENV}" "${target}" "${mount}" "${ARG_ENVIRONMENT}"
+}
+
+# The text of one unit file: trainium-monitor-cluster.service, .timer or trainium-monitor-neuron.service.
+monitor_unit_text() {
+  local unit=$1 mount
+  mount=$(monitor_mount_dir)
+  local header="# Written by on_node_configured.sh (Neuron ${NEURON_RELEASE}, environment ${ARG_ENVIRONMENT})."
+  case "${unit}" in
+    "${CLUSTER_MONITOR_UNIT}.service")
+      cat <<UNIT
+${header}
+[Unit]
+Description=Trainium ${ARG_ENVIRONMENT}: Slurm jobs and nodes and the newest run's stages to CloudWatch (one pass)
+After=network-online.target remote-fs.target
+Wants=network-online.target
+
+[Service]
+Type=oneshot
+Environment=PYTHONPATH=${mount}/pipeline/current
+Environment=PYTHONUNBUFFERED=1
+ExecStart=$(monitor_command cluster)
+TimeoutStartSec=50
+Nice=10
+UNIT
+      ;;
+    "${CLUSTER_MONITOR_UNIT}.timer")
+      cat <<UNIT
+${header}
+[Unit]
+Description=Trainium ${ARG_ENVIRONMENT}: CloudWatch metrics of the cluster every minute
+
+[Timer]
+OnCalendar=minutely
+AccuracySec=5s
+Unit=${CLUSTER_MONITOR_UNIT}.service
+
+[Install]
+WantedBy=timers.target
+UNIT
+      ;;
+    "${NEURON_MONITOR_UNIT}.service")
+      cat <<UNIT
+${header}
+[Unit]
+Description=Trainium ${ARG_ENVIRONMENT}: NeuronCore utilisation and device memory to CloudWatch (neuron-monitor)
+After=network-online.target remote-fs.target
+Wants=network-online.target
+StartLimitIntervalSec=0
+
+[Service]
+Type=simple
+Environment=PYTHONPATH=${mount}/pipeline/current
+Environment=PYTHONUNBUFFERED=1
+ExecStart=$(monitor_command neuron)
+Restart=always
+RestartSec=60
+PrivateTmp=true
+Nice=10
+
+[Install]
+WantedBy=multi-user.target
+UNIT
+      ;;
+    *) die "no such monitoring unit: ${unit}" ;;
+  esac
+}
+
+# Write the units of `monitor cluster` (head node: a oneshot service and the timer that starts it) or `monitor
+# neuron` (Trainium node: a service), then enable and start the timer or service. A failure to start is logged,
+# not fatal: metrics are not worth replacing a node (or failing the cluster) for.
+install_monitoring_units() {
+  local target=$1 started unit
+  local -a units
+  case "${target}" in
+    cluster) units=("${CLUSTER_MONITOR_UNIT}.service" "${CLUSTER_MONITOR_UNIT}.timer") ;;
+    neuron) units=("${NEURON_MONITOR_UNIT}.service") ;;
+    *) die "no such monitor: ${target}" ;;
+  esac
+  started=${units[-1]}
+  if [[ -z "${ARG_ENVIRONMENT}" ]]; then
+    log "no --environment: no CloudWatch metrics units"
+    return 0
+  fi
+  for unit in "${units[@]}"; do
+    local path="${SYSTEMD_DIR}/${unit}"
+    if [[ "${DRY_RUN}" == 1 ]]; then
+      printf 'DRY-RUN: write %s\n' "${path}"
+      monitor_unit_text "${unit}" | sed -E 's/^(.)/  \1/'
+      continue
+    fi
+    install -d -m 0755 "${SYSTEMD_DIR}"
+    local tmp
+    tmp=$(mktemp "${path}.XXXXXX")
+    monitor_unit_text "${unit}" >"${tmp}"
+    chmod 0644 "${tmp}"
+    mv -f "${tmp}" "${path}"
+  done
+  if run systemctl daemon-reload && run systemctl enable --now "${started}"; then
+    log "CloudWatch metrics: ${started} enabled: $(monitor_command "${target}")"
+  else
+    log "WARNING: could not enable ${started}: no CloudWatch metrics from this node"
+  fi
+}
+
 # ----------------------------------------------------------------------------- main
 
 on_exit() {
@@ -773,6 +914,7 @@ main() {
       build_shared_env
       if [[ "${ARG_ENV_ONLY}" != 1 ]]; then
         write_health_prolog
+        install_monitoring_units cluster
       fi
       ;;
     compute)
@@ -785,6 +927,7 @@ main() {
       fi
       check_devices
       check_shared_env_visible
+      install_monitoring_units neuron
       ;;
     cpu)
       log "CPU node: no Neuron devices, nothing to install (it uses the shared venv)"

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -628,3 +629,178 @@ def test_dry_run_compute_node_checks_the_expected_devices(node_files) -> None:
 def test_device_counts_must_be_numbers(node_files) -> None:
     result = run_script([*REQUIRED_ARGS, "--efa-devices", "eight", "--dry-run"], node_files())
     assert result.returncode == 2 and "--neuron-devices and --efa-devices must be counts" in result.stderr
+
+
+# ----------------------------------------------------------------------------- monitoring units
+
+MONITOR_ARGS = [*REQUIRED_ARGS, "--environment", "default", "--dry-run"]
+CLUSTER_EXEC = f"{SHARED_ENV}/bin/python -m training monitor cluster --site /fsx/pipeline/site-default.yaml"
+NEURON_EXEC = f"{SHARED_ENV}/bin/python -m training monitor neuron --site /fsx/pipeline/site-default.yaml"
+
+
+def written_units(stdout: str) -> dict[str, list[str]]:
+    """The unit files a dry run would write: path -> lines (printed indented after `DRY-RUN: write PATH`)."""
+    units: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in stdout.splitlines():
+        if line.startswith("DRY-RUN: write /etc/systemd/system/"):
+            current = units.setdefault(line.removeprefix("DRY-RUN: write "), [])
+        elif line.startswith("DRY-RUN: "):
+            current = None
+        elif current is not None:
+            current.append(line.strip())
+    return units
+
+
+def test_dry_run_head_node_installs_the_cluster_monitor_timer(node_files) -> None:
+    result = run_script(MONITOR_ARGS, node_files(cfn_node_type="HeadNode"))
+    assert result.returncode == 0, result.stderr
+    units = written_units(result.stdout)
+    service = units.pop("/etc/systemd/system/trainium-monitor-cluster.service")
+    timer = units.pop("/etc/systemd/system/trainium-monitor-cluster.timer")
+    assert units == {}, "the head node runs no Neuron monitor"
+    assert f"ExecStart={CLUSTER_EXEC}" in service
+    assert "Environment=PYTHONPATH=/fsx/pipeline/current" in service
+    assert "Type=oneshot" in service
+    assert "OnCalendar=minutely" in timer and "Unit=trainium-monitor-cluster.service" in timer
+    assert "WantedBy=timers.target" in timer
+    commands = dry_run_commands(result.stdout)
+    assert commands[-2:] == ["systemctl daemon-reload", "systemctl enable --now trainium-monitor-cluster.timer"]
+    # After the shared venv the units run is published.
+    assert commands[-5].startswith("ln -sfn ") and commands[-4].endswith("trainium-monitor-cluster.service")
+
+
+def test_dry_run_trainium_node_installs_the_neuron_monitor_service(node_files) -> None:
+    result = run_script(MONITOR_ARGS, node_files(cfn_node_type="ComputeFleet"))
+    assert result.returncode == 0, result.stderr
+    units = written_units(result.stdout)
+    assert list(units) == ["/etc/systemd/system/trainium-monitor-neuron.service"]
+    (service,) = units.values()
+    assert f"ExecStart={NEURON_EXEC}" in service
+    assert "Environment=PYTHONPATH=/fsx/pipeline/current" in service
+    assert {"Restart=always", "RestartSec=60", "Type=simple", "WantedBy=multi-user.target"} <= set(service)
+    assert "StartLimitIntervalSec=0" in service  # restarts for as long as the pipeline has not brought the code
+    assert dry_run_commands(result.stdout)[-2:] == [
+        "systemctl daemon-reload",
+        "systemctl enable --now trainium-monitor-neuron.service",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("cfn_node_type", "extra"),
+    [("ComputeFleet", ["--node-type", "cpu"]), ("LoginNode", []), ("HeadNode", ["--env-only", "--node-type", "head"])],
+    ids=["cpu-queue", "login", "env-only"],
+)
+def test_no_monitoring_units_elsewhere(node_files, cfn_node_type: str, extra: list[str]) -> None:
+    result = run_script([*MONITOR_ARGS, *extra], node_files(cfn_node_type=cfn_node_type))
+    assert result.returncode == 0, result.stderr
+    assert "trainium-monitor" not in result.stdout and "systemctl" not in result.stdout
+
+
+def test_no_monitoring_units_without_an_environment(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], node_files(cfn_node_type="ComputeFleet"))
+    assert result.returncode == 0, result.stderr
+    assert "trainium-monitor" not in result.stdout
+    assert "no --environment: no CloudWatch metrics units" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--environment", "Prod env"], "--environment must be an environment name"),
+        (["--environment", "-x"], "--environment must be an environment name"),
+        (["--environment", "default", "--shared-env", "/fsx/venvs/neuron"], "--environment needs --shared-env of"),
+        (["--environment", "default", "--shared-env", "/envs/neuron"], "--environment needs --shared-env of"),
+    ],
+)
+def test_bad_environment_arguments_are_rejected(node_files, args: list[str], message: str) -> None:
+    result = run_script([*REQUIRED_ARGS, *args, "--dry-run"], node_files())
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "DRY-RUN" not in result.stdout
+
+
+@pytest.fixture
+def monitored_mount(tmp_path: Path):
+    """A mount with the shared venv's python (a wrapper around this interpreter) and the unit files of both
+    monitors written by the script's own function for that mount."""
+    mount = tmp_path / "fsx"
+    shared_env = mount / "envs" / f"neuron-{RELEASE}"
+    (shared_env / "bin").mkdir(parents=True)
+    python = shared_env / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # this venv: boto3, pydantic, PyYAML
+    python.chmod(0o755)
+    units = tmp_path / "units"
+    units.mkdir()
+    names = ["trainium-monitor-cluster.service", "trainium-monitor-cluster.timer", "trainium-monitor-neuron.service"]
+    snippet = f'ARG_SHARED_ENV="{shared_env}" ARG_ENVIRONMENT=default\n' + "".join(
+        f'monitor_unit_text {name} >"{units / name}"\n' for name in names
+    )
+    result = run_sourced(snippet)
+    assert result.returncode == 0, result.stderr
+    return mount, {name: units / name for name in names}
+
+
+def test_units_pass_systemd_analyze_verify(monitored_mount) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not on PATH (package systemd)")
+    _, units = monitored_mount
+    result = subprocess.run([analyze, "verify", *map(str, units.values())], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr.strip() == "" or "Failed" not in result.stderr
+
+
+def unit_setting(path: Path, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in path.read_text().splitlines() if line.startswith(f"{key}=")]
+
+
+def test_the_neuron_unit_command_fails_until_the_pipeline_brings_the_code_then_runs_it(
+    monitored_mount, tmp_path: Path
+) -> None:
+    """ExecStart as systemd runs it (its Environment only, no PATH): no code yet is a failure systemd restarts;
+    with `<mount>/pipeline/current` and the site file in place, the real CLI runs (and here, without Neuron
+    tools, stops at the missing neuron-monitor)."""
+    mount, units = monitored_mount
+    service = units["trainium-monitor-neuron.service"]
+    (command,) = unit_setting(service, "ExecStart")
+    environment = dict(value.split("=", 1) for value in unit_setting(service, "Environment"))
+    assert environment["PYTHONPATH"] == f"{mount}/pipeline/current"
+
+    def start() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command.split(), env=environment, cwd="/", capture_output=True, text=True, check=False)
+
+    before = start()  # no code (on the cluster) or, here where this venv has it, no site file yet
+    assert before.returncode != 0
+    assert "No module named training" in before.stderr or "site-default.yaml: cannot read" in before.stderr
+    (mount / "pipeline").mkdir()
+    (mount / "pipeline" / "current").symlink_to(ROOT, target_is_directory=True)
+    (mount / "pipeline" / "site-default.yaml").write_text('{"metrics_namespace": "Trainium/default"}\n')
+    after = start()
+    assert after.returncode == 2, after.stderr
+    assert "error: neuron-monitor: not found at /opt/aws/neuron/bin/neuron-monitor" in after.stderr
+
+
+def test_units_are_installed_and_started_and_a_failing_systemctl_is_only_a_warning(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "systemctl.log"
+    systemctl = bin_dir / "systemctl"
+    systemctl.write_text(f'#!/bin/sh\necho "$*" >>"{calls}"\n[ ! -e "{tmp_path}/fail" ]\n')
+    systemctl.chmod(0o755)
+    systemd_dir = tmp_path / "systemd"
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SYSTEMD_DIR": str(systemd_dir)}
+    snippet = f"ARG_SHARED_ENV={SHARED_ENV} ARG_ENVIRONMENT=default\ninstall_monitoring_units cluster"
+    result = run_sourced(snippet, env)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in systemd_dir.iterdir()) == [
+        "trainium-monitor-cluster.service",
+        "trainium-monitor-cluster.timer",
+    ]
+    service = systemd_dir / "trainium-monitor-cluster.service"
+    assert oct(service.stat().st_mode & 0o777) == "0o644"
+    assert unit_setting(service, "ExecStart") == [CLUSTER_EXEC]
+    assert calls.read_text().splitlines() == ["daemon-reload", "enable --now trainium-monitor-cluster.timer"]
+    (tmp_path / "fail").touch()
+    failed = run_sourced(snippet.replace("cluster", "neuron"), env)
+    assert failed.returncode == 0, failed.stderr
+    assert "WARNING: could not enable trainium-monitor-neuron.service" in failed.stderr

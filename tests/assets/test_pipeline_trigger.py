@@ -991,6 +991,12 @@ def test_submit_script_runs_with_hostile_values_quoted(head_node: dict[str, Any]
     )
     assert (head_node["tmp"] / "bootstrap.log").read_text().splitlines() == [sync, sync]
     assert not [p for p in (mount / "pipeline").iterdir() if p.name.startswith(".source-")]  # staging removed
+    # The nodes' monitoring units run `<mount>/pipeline/current`: a relative link to this source, moved in one
+    # rename (no temporary link left behind).
+    current = mount / "pipeline" / "current"
+    assert current.is_symlink() and os.readlink(current) == source_dir.name
+    assert (current / "training" / "__main__.py").is_file()
+    assert not [p for p in (mount / "pipeline").iterdir() if p.name.startswith("current.")]
     site = json.loads(site_file.read_text())
     assert site == head_node["site"] | {
         "setup": [f"export PYTHONPATH={source_dir}${{PYTHONPATH:+:${{PYTHONPATH}}}}", "ulimit -n 65536"]

@@ -86,7 +86,8 @@ RULES = {
     "unknown top-level key": (
         {"vpc": {"cidr": "10.0.0.0/16"}},
         "environments-under-test/candidate.yaml: vpc: unknown key; allowed keys here: region, availability_zone, "
-        "cluster_name, os, network, head_node, compute, cpu_queue, storage, logging, pipeline, tags",
+        "cluster_name, os, network, head_node, compute, cpu_queue, storage, logging, monitoring, budget, pipeline, "
+        "tags",
     ),
     "pipeline recipe not bundled": (
         {"pipeline.recipe": "gpt-oss"},
@@ -337,6 +338,50 @@ RULES = {
         {"compute.capacity": {"type": "RESERVED"}},
         "environments-under-test/candidate.yaml: compute.capacity.type: 'RESERVED' is not allowed; "
         "allowed: on-demand, spot, reservation or capacity-block",
+    ),
+    "budget of nothing": (
+        {"budget.monthly_usd": 0},
+        "environments-under-test/candidate.yaml: budget.monthly_usd: 0 is not allowed; "
+        "allowed: a number of US dollars above 0",
+    ),
+    "negative budget": (
+        {"budget.monthly_usd": -5},
+        "environments-under-test/candidate.yaml: budget.monthly_usd: -5 is not allowed; "
+        "allowed: a number of US dollars above 0",
+    ),
+    "budget that is not a number": (
+        {"budget.monthly_usd": "lots"},
+        "environments-under-test/candidate.yaml: budget.monthly_usd: 'lots' is not allowed; "
+        "allowed: a number (or omit it)",
+    ),
+    "stop at 0 percent": (
+        {"budget.monthly_usd": 2500, "budget.stop_fleet_at_percent": 0},
+        "environments-under-test/candidate.yaml: budget.stop_fleet_at_percent: 0 is not allowed; "
+        "allowed: 1 to 1000 (percent of monthly_usd), or null",
+    ),
+    "stop beyond 1000 percent": (
+        {"budget.monthly_usd": 2500, "budget.stop_fleet_at_percent": 1001},
+        "environments-under-test/candidate.yaml: budget.stop_fleet_at_percent: 1001 is not allowed; "
+        "allowed: 1 to 1000 (percent of monthly_usd), or null",
+    ),
+    "alarm e-mail that is no address": (
+        {"monitoring.alarm_email": "ops at example"},
+        "environments-under-test/candidate.yaml: monitoring.alarm_email: 'ops at example' is not allowed; "
+        "allowed: an e-mail address such as ops@example.com",
+    ),
+    "stall window shorter than the head node's minute timer can tell": (
+        {"monitoring.stall_minutes": 4},
+        "environments-under-test/candidate.yaml: monitoring.stall_minutes: 4 is not allowed; allowed: 5 to 1440 minutes",
+    ),
+    "stall window longer than CloudWatch evaluates": (
+        {"monitoring.stall_minutes": 1441},
+        "environments-under-test/candidate.yaml: monitoring.stall_minutes: 1441 is not allowed; "
+        "allowed: 5 to 1440 minutes",
+    ),
+    "stop at a fractional percent": (
+        {"budget.monthly_usd": 2500, "budget.stop_fleet_at_percent": 50.5},
+        "environments-under-test/candidate.yaml: budget.stop_fleet_at_percent: 50.5 is not allowed; "
+        "allowed: an integer (or omit it)",
     ),
 }
 

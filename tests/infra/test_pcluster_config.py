@@ -316,6 +316,7 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
         shared_env=shared_env_path(config, release),
         requirements_uri="s3://b/cluster/r.txt",
         health=node_health(config),
+        environment_name=config.name,
     )
     # The requirement set by its stable key, never by content: a new lock must not change the configuration.
     assert arguments == (
@@ -332,6 +333,9 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
         "16",
         "--efa-devices",
         "8",
+        # Which site file the nodes' metric publishers follow: <mount>/pipeline/site-default.yaml.
+        "--environment",
+        "default",
     )
     assert {"torch==2.9.1", "torch-xla==2.9.0", "transformers==4.57.6"} <= set(read_lock(LOCK))
     with pytest.raises(ValueError, match="pins no NEURON_RELEASE"):

@@ -324,6 +324,8 @@ def test_bootstrap_script_is_an_asset_run_on_every_node(default_env: Synthesized
         "16",
         "--efa-devices",
         "8",
+        "--environment",
+        "default",
     ]
 
 

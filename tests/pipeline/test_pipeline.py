@@ -250,6 +250,7 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
     shutil.copytree(sources["llama"]["hf"], late)
     resumed = runs.submit("tiny-llama-cpt", overrides(world, *extra), run_id="llama-failing", site=site, dry_run=False)
     assert list(resumed["jobs"]) == ["convert-in", "compile", "train", "convert-out", "sample", "export"]
+    assert resumed["kept"] == {}  # nothing of the failed run was queued any more
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
 
 
@@ -286,7 +287,11 @@ def test_a_killed_submit_is_completed_by_its_rerun_with_one_job_per_stage(
     compile_job = runs.queued_jobs(run_dir, site.slurm_bin).get("compile")
     assert compile_job is not None and compile_job not in recorded_jobs(run_dir).values()
 
-    rerun = run("tiny-llama-cpt", sources["llama"], site, "llama-killed-submit", "steps=4", "checkpoint.every=2")
+    world = overrides(sources["llama"], "steps=4", "checkpoint.every=2")
+    result = runs.submit("tiny-llama-cpt", world, run_id="llama-killed-submit", site=site, dry_run=False)
+    assert result["kept"]["compile"] == compile_job  # with prepare and convert-in while they are queued
+    assert list(result["jobs"]) == ["train", "convert-out", "sample", "export"]  # none of them kept too
+    rerun = Path(result["run_dir"])
     assert set(states(rerun).values()) == {"COMPLETED"}, runs.stage_states(rerun)
     assert recorded_jobs(run_dir)["compile"] == compile_job
     logs = sorted(p.name.rsplit("-", 1)[0] for p in (run_dir / "logs").glob("*.out"))

@@ -69,12 +69,14 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         "cancel",
         "sample",
         "export",
+        "monitor cluster",
+        "monitor neuron",
     }
     for name in ("prepare pretrain", "prepare sft", "convert", "sample", "export"):
         assert "--output" in options(commands[name]), name  # what the command writes
     for name in ("convert", "sample"):
         assert "--input" in options(commands[name]), name  # the one path it reads
-    for name in ("submit", "status", "cancel"):
+    for name in ("submit", "status", "cancel", "monitor cluster", "monitor neuron"):
         assert "--site" in options(commands[name]), name
     for name in ("train", "plan", "submit", "sample"):
         assert "--recipe" in options(commands[name]), name

@@ -48,6 +48,11 @@ def summarize(run_dir: Path, results: Path, seconds: float) -> bool:
         model = AutoModelForCausalLM.from_pretrained(str(exported / "hf"))
         print(f"   final model: {exported / 'hf'} ({type(model).__name__}, loads with from_pretrained)")
     print(f"   run directory: {run_dir}\n   results: {exported}")
+    plot = exported / "metrics.png"
+    if plot.is_file():
+        print(f"   plot of loss and throughput: {plot}")
+    if (exported / "tensorboard").is_dir():
+        print(f"   TensorBoard: tensorboard --logdir {exported / 'tensorboard'}")
     return completed
 
 

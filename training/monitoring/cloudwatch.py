@@ -7,9 +7,14 @@ run's id (dimension `Run`), Neuron metrics with the instance (`InstanceId`), to 
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from training.config.site import Site
 
 NAMESPACE_PREFIX = "Trainium/"
 
@@ -93,3 +98,35 @@ def with_dimension(data: Iterable[Datum], name: str, value: str) -> list[Datum]:
         result.append(datum)
         result.append(Datum(datum.name, datum.value, datum.unit, {**datum.dimensions, name: value}))
     return result
+
+
+def required_namespace(site: Site) -> str:
+    """The site's namespace; a site without one (the local defaults) keeps its metrics to itself."""
+    from training.errors import UserError
+
+    if not site.metrics_namespace:
+        raise UserError(
+            f"site {site.name!r} has no metrics_namespace: set it in the site file (e.g. {namespace_of(site.name)}) "
+            "to publish CloudWatch metrics"
+        )
+    return site.metrics_namespace
+
+
+def print_requests(namespace: str, data: Iterable[Datum], out: IO[str] | None = None) -> int:
+    """A dry run's publish: each PutMetricData request it would send, one JSON line each; the number of lines."""
+    printed = 0
+    for batch in batches(data):
+        print(json.dumps({"Namespace": namespace, "MetricData": batch}, sort_keys=True), file=out or sys.stdout)
+        printed += 1
+    (out or sys.stdout).flush()
+    return printed
+
+
+def cloudwatch_client(region: str | None) -> Any:
+    """boto3's CloudWatch client in `region` (None: boto3's own default), with standard retries."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "cloudwatch", region_name=region, config=Config(retries={"mode": "standard", "max_attempts": 5})
+    )

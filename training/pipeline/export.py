@@ -1,8 +1,15 @@
 """`python -m training export`: the run's results to where they outlive the cluster.
 
 An S3 URI on AWS (the results bucket, which `cdk destroy` keeps), a local directory in the demo. Copies the
-final Hugging Face model, metrics, samples, logs and the run record; not the training checkpoints, which
-stay on the file system of the run (export them with `--with-checkpoints`).
+final Hugging Face model, metrics (the JSON lines, the TensorBoard event files and `metrics.png`), samples,
+logs and the run record; not the training checkpoints, which stay on the file system of the run (export them
+with `--with-checkpoints`).
+
+`metrics.png` (training.pipeline.plot) is drawn from `checkpoints/metrics.jsonl` into the run directory
+first and exported like the other files; it is rewritten only when the picture changes, so its modification
+time, part of the export's fingerprint, stays the same and a rerun still reuses a complete export. A run
+whose metrics cannot be drawn (none logged, a damaged file, a run directory that is not writable) is
+exported without the plot, with a warning.
 
 Both ends say when an export is complete. A local export is written beside its destination and renamed
 into place (training.outputs), so the directory holds a whole export or nothing; its `manifest.json`
@@ -15,6 +22,7 @@ everything again over the same keys.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,7 +30,10 @@ from typing import Any
 from training import outputs
 from training.errors import UserError
 
-EXPORTED = ("hf", "checkpoints/metrics.jsonl", "samples.json", "logs", "run.json", "recipe.yaml")
+log = logging.getLogger(__name__)
+METRICS = "checkpoints/metrics.jsonl"
+PLOT = "metrics.png"
+EXPORTED = ("hf", METRICS, "tensorboard", PLOT, "samples.json", "logs", "run.json", "recipe.yaml")
 
 
 def files_to_export(run_dir: Path, with_checkpoints: bool) -> list[Path]:
@@ -43,11 +54,13 @@ def export(
 ) -> dict[str, Any]:
     if not (run_dir / "run.json").is_file():
         raise UserError(f"--run-dir {run_dir}: no run.json (not a run directory)")
-    files = files_to_export(run_dir, with_checkpoints)
+    run_id = json.loads((run_dir / "run.json").read_text()).get("run_id")
+    drawn = draw_plot(run_dir, run_id)
+    files = [f for f in files_to_export(run_dir, with_checkpoints) if drawn or f != Path(PLOT)]  # never a stale one
     manifest = {
         "kind": "export",
         "fingerprint": outputs.files_fingerprint(run_dir, files),
-        "run_id": json.loads((run_dir / "run.json").read_text()).get("run_id"),
+        "run_id": run_id,
         "files": [relative.as_posix() for relative in files],
         "bytes": sum((run_dir / f).stat().st_size for f in files),
     }
@@ -59,6 +72,24 @@ def export(
     summary = {"destination": destination, "files": len(files), "bytes": manifest["bytes"], "reused": reused}
     print(json.dumps(summary))
     return summary
+
+
+def draw_plot(run_dir: Path, run_id: str | None) -> bool:
+    """`metrics.png` in the run directory from its metrics, if it has any; False (with a warning) if not."""
+    metrics = run_dir / METRICS
+    if not metrics.is_file():
+        return False
+    from training.pipeline.plot import plot_metrics
+
+    try:
+        plot_metrics(metrics, run_dir / PLOT, run_id=run_id or run_dir.name)
+    except UserError as error:
+        log.warning(f"exporting without {PLOT}: {error}")
+        return False
+    except OSError as error:
+        log.warning(f"exporting without {PLOT}: {error.filename or run_dir}: {error.strerror or error}")
+        return False
+    return True
 
 
 def _to_directory(run_dir: Path, files: list[Path], target: Path, manifest: dict[str, Any], *, overwrite: bool) -> bool:

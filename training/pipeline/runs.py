@@ -10,13 +10,16 @@ stage by submitting the same run id again.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,6 +34,7 @@ from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.errors import UserError
 from training.train.memory import DEFAULT_HARDWARE, HARDWARE, model_config, refusal
+from training.train.metrics import METRICS_FILE, read_metrics
 
 TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().parents[2] / "assets" / "slurm"))
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
@@ -380,7 +384,7 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
     # Recorded before the first sbatch and after each one, so a kill loses at most the id of the job just
     # submitted: a rerun adopts it (and `cancel` finds it) by its script's path in Slurm's queue.
     kept = {stage.name: queued[stage.name] for stage in todo if stage.name in queued}
-    submission: dict[str, Any] = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "jobs": kept}
+    submission: dict[str, Any] = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "jobs": dict(kept)}
     run["submissions"].append(submission)
     _record(plan.run_dir, run)
     jobs: dict[str, str] = {}
@@ -446,17 +450,106 @@ def stage_states(run_dir: Path) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"stage": stage, "job": job, "state": state, "elapsed": info.get("RunTime", "")}
         if info.get("Reason") and info["Reason"] != "None":
             row["reason"] = info["Reason"]
-        if stage == "train":
-            metrics = run_dir / "checkpoints" / "metrics.jsonl"
-            if metrics.is_file() and (lines := metrics.read_text().splitlines()):
-                last = json.loads(lines[-1])
-                row["note"] = f"step {last['step']} loss {last['loss']:.4f} {last['seq_per_second']:.2f} seq/s"
+        if stage == "train" and (run_dir / "checkpoints" / METRICS_FILE).is_file():
+            try:
+                total_steps = (run.get("settings") or {}).get("steps")
+                progress = training_progress(run_dir / "checkpoints" / METRICS_FILE, total_steps)
+            except UserError as error:
+                row["note"] = str(error)
+            else:
+                if state not in ACTIVE_STATES:  # an ETA only while the job is queued or running
+                    progress["eta_seconds"] = progress["seconds_per_step"] = None
+                row["metrics"] = progress
+                eta = progress["eta_seconds"]
+                total = progress["total_steps"] or "?"
+                speed = progress["tokens_per_second"]
+                row["note"] = (
+                    f"step {progress['step']}/{total} loss {progress['loss']:.4f}"
+                    + (f" {speed:,.0f} tokens/s" if speed is not None else "")
+                    + (f" ETA {format_duration(eta)}" if eta else "")
+                )
         if state not in ("COMPLETED", "PENDING", "RUNNING", "UNKNOWN") and job:
             log = run_dir / "logs" / f"{stage}-{job}.out"
             row["log"] = str(log)
             row["log_tail"] = log.read_text(errors="replace").splitlines()[-10:] if log.is_file() else []
         rows.append(row)
     return rows
+
+
+ETA_WINDOW = 20  # intervals between logged steps whose pace the ETA assumes
+
+
+def eta_seconds(points: Sequence[tuple[int, float]], total_steps: int, window: int = ETA_WINDOW) -> float | None:
+    """Seconds from the last logged step to step `total_steps`, at the median pace (seconds per step) of the last
+    `window` intervals between logged (step, time) points in step order. The median ignores the one long
+    interval a restart leaves (requeue, resume: loading, compiling). 0 once the last step is logged; None
+    without two points a step apart to measure a pace."""
+    if not points:
+        return None
+    last_step = points[-1][0]
+    if last_step >= total_steps:
+        return 0.0
+    recent = points[-(window + 1) :]
+    paces = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in itertools.pairwise(recent) if s1 > s0 and t1 > t0]
+    if not paces:
+        return None
+    return statistics.median(paces) * (total_steps - last_step)
+
+
+def format_duration(seconds: float) -> str:
+    """'45s', '5m10s', '2h05m', '3d04h'."""
+    whole = round(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def training_progress(metrics: Path, total_steps: int | None) -> dict[str, Any]:
+    """The last logged values of a training job's metrics file (the validation loss from the last step that
+    measured it) and the ETA of step `total_steps` (None when unknown)."""
+    records = read_metrics(metrics)
+    last = records[-1]
+    progress: dict[str, Any] = {"step": int(last["step"]), "total_steps": total_steps}
+    for key in ("loss", "lr", "grad_norm", "tokens_per_second", "seq_per_second", "mfu", "moe_dropped"):
+        progress[key] = last.get(key)
+    validated = [r for r in records if r.get("validation_loss") is not None]
+    if validated:
+        progress["validation_loss"] = validated[-1]["validation_loss"]
+        progress["validation_step"] = validated[-1]["step"]
+    timed = [(int(r["step"]), float(r["time"])) for r in records if isinstance(r.get("time"), int | float)]
+    progress["seconds_per_step"] = None
+    progress["eta_seconds"] = eta_seconds(timed, total_steps) if total_steps else None
+    if progress["eta_seconds"] and total_steps:
+        progress["seconds_per_step"] = progress["eta_seconds"] / (total_steps - progress["step"])
+    return progress
+
+
+def describe_progress(progress: dict[str, Any]) -> str:
+    """One line of a training job's last logged values, for `status`."""
+    total = progress.get("total_steps")
+    parts = [f"loss {progress['loss']:.4f}"]
+    if progress.get("validation_loss") is not None:
+        parts.append(f"validation loss {progress['validation_loss']:.4f} (step {progress['validation_step']})")
+    if progress.get("lr") is not None:
+        parts.append(f"learning rate {progress['lr']:.2e}")
+    if progress.get("grad_norm") is not None:
+        parts.append(f"grad norm {progress['grad_norm']:.3f}")
+    if progress.get("tokens_per_second") is not None:
+        parts.append(f"{progress['tokens_per_second']:,.0f} tokens/s")
+    if progress.get("mfu") is not None:
+        parts.append(f"MFU {100 * progress['mfu']:.1f}%")
+    if progress.get("moe_dropped") is not None:
+        parts.append(f"MoE dropped {100 * progress['moe_dropped']:.2f}%")
+    line = f"train at step {progress['step']}" + (f" of {total}" if total else "") + ": " + ", ".join(parts)
+    eta = progress.get("eta_seconds")
+    if eta:
+        line += f"; ETA {format_duration(eta)} ({progress['seconds_per_step']:.2f} s/step recently)"
+    return line
 
 
 def unavailable_nodes(sinfo_reasons: str) -> str | None:
@@ -497,6 +590,9 @@ def print_status(run_dir: Path) -> list[dict[str, Any]]:
     for row in rows:
         note = row.get("note") or row.get("reason") or ""
         print(f"{row['stage']:<12} {row['job']:>8} {row['state']:<12} {row['elapsed']:>10}  {note}")
+    for row in rows:
+        if row.get("metrics"):
+            print(describe_progress(row["metrics"]))
     for row in rows:
         if row.get("log"):
             print(f"\n{row['stage']} ended {row['state']}; last lines of {row['log']}:")

@@ -15,7 +15,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from training.train.checkpointing import (
     save_checkpoint,
 )
 from training.train.loader import BatchPlan, TrainingData
+from training.train.metrics import open_metrics
 from training.train.optimizer import TrainingOptimizer, neuron_trainer_options
 from training.train.precision import PARAMETER_DTYPE
 
@@ -53,7 +54,7 @@ class TrainOptions:
     recipe: Recipe
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint.dir, if there is one
     compile_only: bool = False
-    metrics: Path | None = None  # JSON lines; default <checkpoint.dir>/metrics.jsonl
+    metrics: Path | None = None  # JSON lines; default <checkpoint.dir>/metrics.jsonl (training.train.metrics)
 
 
 def check_model_fits(recipe: Recipe, spec: ModelSpec) -> Parallelism:
@@ -188,8 +189,11 @@ def _run(
         copy_companions(config_path.parent, config_path, checkpoint_dir)  # so `convert --from nxd` stands alone
     last = COMPILE_STEPS if options.compile_only else recipe.steps
     flops_per_token = model_flops_per_token(config, recipe.batch.seq_len)
-    metrics = _open_metrics(options, checkpoint_dir) if rank == 0 else None
-    if rank == 0:
+    metrics = None
+    if rank == 0:  # JSON lines, TensorBoard, CloudWatch (training.train.metrics)
+        metrics = open_metrics(
+            checkpoint_dir, first_step=start + 1, compile_only=options.compile_only, path=options.metrics
+        )
         log.info(
             f"training {recipe.name}: steps {start + 1}..{last} of {recipe.steps}, tp {parallelism.tp}, "
             f"dp {plan.dp}, {plan.accumulation} micro batches of {plan.micro} per rank and step"
@@ -230,8 +234,7 @@ def _run(
         record.update(graph_counters())
         losses.append(loss)
         if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            metrics.write(record)
             log.info(
                 f"(step {done}) step_loss : {loss:.4f} learning_rate : {learning_rate:.2e} "
                 f"throughput : {record['seq_per_second']:.2f} seq/s"
@@ -399,12 +402,6 @@ def graph_counters() -> dict[str, int]:
         "xla_executions": count("ExecuteTime"),
         "xla_transfers_to_host": count("TransferFromDeviceTime"),
     }
-
-
-def _open_metrics(options: TrainOptions, checkpoint_dir: Path) -> TextIO:
-    path = options.metrics or (checkpoint_dir / ("metrics-compile.jsonl" if options.compile_only else "metrics.jsonl"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.open("a")
 
 
 def _seed_everything(seed: int) -> None:

@@ -375,6 +375,14 @@ def refusal(recipe: Recipe, hardware: Hardware, config: dict[str, Any] | None = 
     )
 
 
+def planned_gib_per_core(recipe: Recipe, hardware: Hardware) -> float | None:
+    """What the plan puts on each NeuronCore, in GiB; None when the model's config is not known."""
+    config = model_config(recipe)
+    if config is None:
+        return None
+    return gib(plan(workload_of(recipe, config, hardware), hardware).total)
+
+
 def describe_fix(fix: Fix) -> str:
     if fix.plan is None:
         tried = " ".join(fix.overrides) or "nothing"

@@ -201,6 +201,7 @@ class Paths:
     """Where things live on the shared file system (seen alike by the head node and the compute nodes)."""
 
     source_dir: str  # the unzipped source of one SourceHash: immutable once there
+    current: str  # symlink to the newest submitted source_dir: the nodes' monitoring services run the code there
     site_file: str
     runs_root: str
     export_path: str | None  # runs_root relative to the mount (FSx export task Paths); None: outside it
@@ -212,6 +213,7 @@ def paths_of(props: Props) -> Paths:
     inside = runs_root != mount and runs_root.startswith(mount.rstrip("/") + "/")
     return Paths(
         source_dir=f"{mount.rstrip('/')}/pipeline/source-{props.source_hash}",
+        current=f"{mount.rstrip('/')}/pipeline/current",
         site_file=posixpath.join(posixpath.dirname(runs_root), "pipeline", f"site-{safe_name(props.environment)}.yaml"),
         runs_root=runs_root,
         export_path=posixpath.relpath(runs_root, mount) if inside else None,
@@ -309,6 +311,11 @@ def submit_script(props: Props, run_id: str) -> str:
         "# shellcheck disable=SC2016  # the setup line's ${PYTHONPATH...} expands in the jobs, not here",
         f"printf '%s\\n' {q(site_file_text(props.site, paths.source_dir))} >\"$site_file.$$\"",
         'mv -f "$site_file.$$" "$site_file"',
+        # The monitoring units on the nodes (on_node_configured.sh) run `<mount>/pipeline/current`: repointed in
+        # one rename (a relative link, as the source sits beside it), never missing while it moves.
+        f"current={q(paths.current)}",
+        'ln -sfn "$(basename "$source_dir")" "$current.$$"',
+        'mv -T -f "$current.$$" "$current"',
         "\"$python\" -c 'import yaml, jinja2' || "
         '{ echo "error: $python cannot import PyYAML and Jinja2, which python -m training submit needs" >&2; exit 1; }',
         'cd "$source_dir"',

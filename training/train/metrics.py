@@ -1,0 +1,259 @@
+"""Where rank 0 of a training job puts its metrics: one `MetricsSink`, three destinations.
+
+Each logged step is one record (`step`, `loss`, `lr`, `grad_norm`, `seq_per_second`, `tokens_per_second`,
+`time`, and when there are such values `validation_loss`, `moe_dropped` and `mfu` as fractions, `xla_*`
+counters on Neuron). The sink writes it to:
+
+- the JSON lines file `<checkpoint.dir>/metrics.jsonl` (`metrics-compile.jsonl` for a compile run, or the
+  `--metrics` path): every record as logged, appended, so a resumed run logs the steps after its checkpoint
+  again; `read_metrics` keeps the last record of each step. `status`, the exported plot and the tests read it.
+- TensorBoard event files in `<run_dir>/tensorboard`, where run_dir is the parent of `checkpoint.dir`: the
+  pipeline puts checkpoints in `<runs_root>/<run_id>/checkpoints` (the recipe names no run directory of its
+  own), so the event files sit beside them in the run directory and `export` copies them with the results.
+  Tags are grouped by what they measure (TAGS); the values are the JSON lines' values (fractions stay
+  fractions). Every writer starts with SummaryWriter's `purge_step` at the first step it will log, so
+  TensorBoard drops the steps an interrupted attempt logged after its last checkpoint: each step once.
+- CloudWatch, when the job's environment names a namespace (`TRAINING_METRICS_NAMESPACE`, exported by the
+  Slurm job scripts on AWS): the metrics of training.monitoring.cloudwatch, each record once without
+  dimensions and once with `Run=<TRAINING_RUN_ID>`, time-stamped with the record's time. A background
+  thread sends them, so a slow or unreachable CloudWatch never stalls a step; a failure is logged as one
+  warning (later ones are counted, and the count logged when the run ends) and never stops training.
+  boto3 is imported only when the namespace is set.
+
+A compile run (`--compile`) writes its JSON lines only: no event files, nothing sent to CloudWatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import queue
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from training.errors import UserError
+from training.monitoring import cloudwatch
+from training.monitoring.cloudwatch import Datum
+
+log = logging.getLogger(__name__)
+
+NAMESPACE_VARIABLE = "TRAINING_METRICS_NAMESPACE"
+RUN_ID_VARIABLE = "TRAINING_RUN_ID"
+METRICS_FILE = "metrics.jsonl"
+COMPILE_METRICS_FILE = "metrics-compile.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+# JSON lines key -> TensorBoard tag
+TAGS = {
+    "loss": "train/loss",
+    "validation_loss": "train/validation_loss",
+    "lr": "train/learning_rate",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_second": "throughput/tokens_per_second",
+    "seq_per_second": "throughput/seq_per_second",
+    "mfu": "throughput/mfu",  # a fraction of the workers' peak, as in the JSON lines
+    "moe_dropped": "moe/dropped_fraction",
+}
+XLA_PREFIX = "xla_"  # xla_compilations -> xla/compilations
+
+# JSON lines key -> (CloudWatch metric, unit, factor from the JSON value to the sent one)
+CLOUDWATCH_METRICS = {
+    "step": (cloudwatch.TRAINING_STEP, "None", 1.0),
+    "loss": (cloudwatch.TRAINING_LOSS, "None", 1.0),
+    "validation_loss": (cloudwatch.VALIDATION_LOSS, "None", 1.0),
+    "lr": (cloudwatch.LEARNING_RATE, "None", 1.0),
+    "grad_norm": (cloudwatch.GRADIENT_NORM, "None", 1.0),
+    "tokens_per_second": (cloudwatch.TOKENS_PER_SECOND, "Count/Second", 1.0),
+    "seq_per_second": (cloudwatch.SEQUENCES_PER_SECOND, "Count/Second", 1.0),
+    "mfu": (cloudwatch.MFU, "Percent", 100.0),
+    "moe_dropped": (cloudwatch.MOE_DROPPED_TOKENS, "Percent", 100.0),
+}
+CLOUDWATCH_QUEUE = 1000  # records waiting to be sent; beyond that (CloudWatch unreachable for long) they are dropped
+CLOUDWATCH_CLOSE_SECONDS = 30.0  # how long the end of a run waits for the records still queued
+
+
+def tensorboard_dir(checkpoint_dir: Path) -> Path:
+    """`<run_dir>/tensorboard`, run_dir being the checkpoint directory's parent (see the module's docstring)."""
+    return checkpoint_dir.absolute().parent / TENSORBOARD_DIR
+
+
+def tensorboard_scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """Tag -> value of one record (the keys it has)."""
+    scalars = {tag: float(record[key]) for key, tag in TAGS.items() if record.get(key) is not None}
+    for key, value in record.items():
+        if key.startswith(XLA_PREFIX) and isinstance(value, int | float):
+            scalars[f"xla/{key.removeprefix(XLA_PREFIX)}"] = float(value)
+    return scalars
+
+
+def cloudwatch_data(record: Mapping[str, Any]) -> list[Datum]:
+    """The record's values as CloudWatch data, without dimensions (percent where the unit says so)."""
+    data = []
+    for key, (name, unit, factor) in CLOUDWATCH_METRICS.items():
+        value = record.get(key)
+        if value is not None and math.isfinite(float(value)):  # CloudWatch refuses NaN and infinities
+            data.append(Datum(name, float(value) * factor, unit))
+    return data
+
+
+class CloudWatchSender:
+    """Sends records' metrics from a background thread; failures are logged once and never raised."""
+
+    def __init__(self, namespace: str, run_id: str | None, client: cloudwatch.MetricsClient | None = None) -> None:
+        self.namespace = namespace
+        self.run_id = run_id or None
+        self.sent = 0  # records sent (one or more PutMetricData requests each)
+        self.failures = 0
+        self._client = client
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[float | None, list[Datum]] | None] = queue.Queue(maxsize=CLOUDWATCH_QUEUE)
+        self._thread = threading.Thread(target=self._send_queued, name="cloudwatch-metrics", daemon=True)
+        self._thread.start()
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        data = cloudwatch_data(record)
+        if self.run_id is not None:
+            data = cloudwatch.with_dimension(data, cloudwatch.RUN_DIMENSION, self.run_id)
+        timestamp = record.get("time")
+        try:
+            self._queue.put_nowait((float(timestamp) if timestamp is not None else None, data))
+        except queue.Full:
+            self._failed(f"{CLOUDWATCH_QUEUE} records are waiting to be sent; dropped the one of step {record['step']}")
+
+    def close(self, timeout: float = CLOUDWATCH_CLOSE_SECONDS) -> None:
+        """Send what is queued (waiting at most `timeout` seconds), then stop the thread."""
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=timeout)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning(f"CloudWatch: gave up waiting for {self._queue.qsize()} records still to send")
+        if self.failures > 1:
+            log.info(f"CloudWatch: {self.failures} sends to namespace {self.namespace} failed in this run")
+
+    def _send_queued(self) -> None:
+        while (item := self._queue.get()) is not None:
+            timestamp, data = item
+            try:
+                if self._client is None:
+                    self._client = _cloudwatch_client()
+                cloudwatch.put_metrics(self._client, self.namespace, data, timestamp)
+                self.sent += 1
+            except Exception as error:  # anything at all: metrics never stop training
+                self._failed(f"{type(error).__name__}: {error}")
+
+    def _failed(self, reason: str) -> None:
+        with self._lock:
+            self.failures += 1
+            first = self.failures == 1
+        if first:
+            log.warning(
+                f"CloudWatch: metrics not sent to namespace {self.namespace} ({reason}); training continues, "
+                "further failures are counted, not logged"
+            )
+
+
+def _cloudwatch_client() -> cloudwatch.MetricsClient:
+    import boto3
+    from botocore.config import Config
+
+    # Short timeouts and few attempts: a record that cannot be sent soon is not worth a queue of them.
+    config = Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 3, "mode": "standard"})
+    client: cloudwatch.MetricsClient = boto3.client("cloudwatch", config=config)
+    return client
+
+
+class MetricsSink:
+    """Rank 0's metric destinations for one run; `write` each logged step's record, `close` at the end."""
+
+    def __init__(self, jsonl: Path, tensorboard: Any | None = None, cloudwatch: CloudWatchSender | None = None) -> None:
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        self.jsonl = jsonl
+        self._file = jsonl.open("a")
+        self.tensorboard = tensorboard  # a torch.utils.tensorboard.SummaryWriter
+        self.cloudwatch = cloudwatch
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.tensorboard is not None:
+            step, walltime = int(record["step"]), record.get("time")
+            for tag, value in tensorboard_scalars(record).items():
+                self.tensorboard.add_scalar(tag, value, global_step=step, walltime=walltime)
+            self.tensorboard.flush()
+        if self.cloudwatch is not None:
+            self.cloudwatch.write(record)
+
+    def close(self) -> None:
+        self._file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.cloudwatch is not None:
+            self.cloudwatch.close()
+
+    def __enter__(self) -> MetricsSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_metrics(
+    checkpoint_dir: Path,
+    *,
+    first_step: int,
+    compile_only: bool = False,
+    path: Path | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> MetricsSink:
+    """The sink of a run whose first logged step will be `first_step` (1, or the resumed checkpoint's step + 1)."""
+    jsonl = path or (checkpoint_dir / (COMPILE_METRICS_FILE if compile_only else METRICS_FILE))
+    if compile_only:
+        return MetricsSink(jsonl)
+    from torch.utils.tensorboard import SummaryWriter
+
+    # purge_step: TensorBoard discards what earlier writers logged from this step on (a killed attempt's
+    # steps after its last checkpoint), so the resumed run's values replace them.
+    writer = SummaryWriter(log_dir=str(tensorboard_dir(checkpoint_dir)), purge_step=first_step)
+    namespace = environ.get(NAMESPACE_VARIABLE, "").strip()
+    sender = CloudWatchSender(namespace, environ.get(RUN_ID_VARIABLE, "").strip()) if namespace else None
+    if sender is not None:
+        run = f" and dimension {cloudwatch.RUN_DIMENSION}={sender.run_id}" if sender.run_id else ""
+        log.info(f"sending training metrics to CloudWatch namespace {namespace} without dimensions{run}")
+    return MetricsSink(jsonl, writer, sender)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file, the last one logged of each step (a resumed run logs some steps again),
+    in step order. A last line without its newline that does not parse is one being written, and skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file (the JSON lines a training job writes)") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); allowed: JSON lines") from None
+    lines = text.split("\n")
+    by_step: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):  # no newline after it: still being written
+                continue
+            raise UserError(f"{path} line {number}: not JSON ({error.msg}); allowed: one JSON object a line") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{path} line {number}: a {type(record).__name__}; allowed: one JSON object a line")
+        for key in ("step", "loss"):
+            value = record.get(key)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise UserError(f"{path} line {number}: {key} {value!r}; allowed: a number")
+        by_step[int(record["step"])] = record
+    if not by_step:
+        raise UserError(f"{path}: no metrics in it (no step logged yet); allowed: JSON lines with step and loss")
+    return [by_step[step] for step in sorted(by_step)]
