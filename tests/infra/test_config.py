@@ -371,7 +371,8 @@ RULES = {
     ),
     "stall window shorter than the head node's minute timer can tell": (
         {"monitoring.stall_minutes": 4},
-        "environments-under-test/candidate.yaml: monitoring.stall_minutes: 4 is not allowed; allowed: 5 to 1440 minutes",
+        "environments-under-test/candidate.yaml: monitoring.stall_minutes: 4 is not allowed; "
+        "allowed: 5 to 1440 minutes",
     ),
     "stall window longer than CloudWatch evaluates": (
         {"monitoring.stall_minutes": 1441},
