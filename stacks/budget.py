@@ -142,10 +142,7 @@ class BudgetGuard(Construct):
                 resources=[fleet_status_table_arn(cluster_name)],
             )
         )
-        # Publish to the alarm topic. Not Topic.grant_publish: its key grant is kms:GenerateDataKey*, a wildcard;
-        # SNS encrypts a published message with GenerateDataKey, the exact action AWS documents for publishers.
-        role.add_to_policy(iam.PolicyStatement(actions=["sns:Publish"], resources=[notifications.topic.topic_arn]))
-        notifications.key.grant(role, "kms:Decrypt", "kms:GenerateDataKey")
+        notifications.grant_publish(role)  # its notices: what it did, and the budget's message
         logs = log_group_with_retention(self, "StopLogs", log_retention_days)
         logs.grant_write(role)  # its own log group, instead of the broad basic-execution policy
         function = lambda_.Function(

@@ -2,8 +2,9 @@
 
 Three states: idle (nodes scaled to zero: head node, file system, NAT), while a CPU stage runs (prepare,
 convert, sample, export: the CPU queue's nodes start), and while training (every Trainium node). List
-prices from `stacks/instance_types.py` (us-west-2 on-demand); data transfer, S3 and CloudWatch are left
-out. The README's cost table is this command's output for the default environment (a test keeps it so).
+prices from `stacks/instance_types.py` (us-west-2 on-demand); data transfer, S3 and CloudWatch Logs are
+left out; the monitoring's CloudWatch metrics, dashboard and alarms are in. The README's cost table is
+this command's output for the default environment (a test keeps it so).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 
 from stacks.config import EnvironmentConfig, load_environment
 from stacks.instance_types import (
+    CLOUDWATCH_ALARM_METRIC_USD_PER_MONTH,
+    CLOUDWATCH_DASHBOARD_USD_PER_MONTH,
+    CLOUDWATCH_METRIC_USD_PER_MONTH,
     COMPUTE_INSTANCE_TYPES,
     CPU_INSTANCE_TYPES,
     FSX_SCRATCH_2_USD_PER_GB_MONTH,
@@ -22,7 +26,11 @@ from stacks.instance_types import (
     HOURS_PER_MONTH,
     NAT_GATEWAY_USD_PER_HOUR,
 )
+from stacks.monitoring import ALARM_METRICS
 from training.errors import UserError, report
+from training.monitoring.cluster import ALWAYS_SENT_JOB_STATES, NODE_STATES
+from training.monitoring.neuron import METRICS_PER_REPORT
+from training.train.metrics import CLOUDWATCH_METRICS
 
 IDLE_TARGET_USD_PER_HOUR = 0.75  # what an environment left deployed but unused should cost at most
 
@@ -67,6 +75,7 @@ def cost_lines(config: EnvironmentConfig) -> list[CostLine]:
             nodes * trainium_root,
         ),
     ]
+    lines.append(monitoring_line(config))
     if config.cpu_queue is not None:
         cpu = config.cpu_queue
         per_node = CPU_INSTANCE_TYPES[cpu.instance_type].usd_per_hour + volume_usd_per_hour(cpu.root_volume_gib)
@@ -79,6 +88,24 @@ def cost_lines(config: EnvironmentConfig) -> list[CostLine]:
             )
         )
     return lines
+
+
+def monitoring_line(config: EnvironmentConfig) -> CostLine:
+    """The dashboard, the alarms' metrics and the custom metrics sent in each state: the head node's always
+    (jobs, nodes per partition and state), the training job's (with and without its run) and each Trainium
+    node's Neuron metrics (with and without its instance) while training."""
+    partitions = 2 if config.cpu_queue is not None else 1
+    head_node = len(ALWAYS_SENT_JOB_STATES) + 2 + partitions * len(NODE_STATES)  # + TrainingJobsRunning, FailedStages
+    training = 2 * len(CLOUDWATCH_METRICS) + METRICS_PER_REPORT * (1 + config.compute.max_count)
+    fixed = CLOUDWATCH_DASHBOARD_USD_PER_MONTH + ALARM_METRICS * CLOUDWATCH_ALARM_METRIC_USD_PER_MONTH
+    idle = (fixed + head_node * CLOUDWATCH_METRIC_USD_PER_MONTH) / HOURS_PER_MONTH
+    return CostLine(
+        f"CloudWatch: dashboard, {ALARM_METRICS} alarm metrics, {head_node} metrics ({head_node + training} while "
+        "training)",
+        idle,
+        idle,
+        idle + training * CLOUDWATCH_METRIC_USD_PER_MONTH / HOURS_PER_MONTH,
+    )
 
 
 def render_table(config: EnvironmentConfig) -> str:

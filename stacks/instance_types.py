@@ -56,3 +56,7 @@ GP3_USD_PER_GIB_MONTH = 0.08
 FSX_SCRATCH_2_USD_PER_GB_MONTH = 0.14
 NAT_GATEWAY_USD_PER_HOUR = 0.045
 HOURS_PER_MONTH = 730
+# CloudWatch (first tier): a custom metric, billed by the hour it is sent in; a dashboard; a metric an alarm reads.
+CLOUDWATCH_METRIC_USD_PER_MONTH = 0.30
+CLOUDWATCH_DASHBOARD_USD_PER_MONTH = 3.00
+CLOUDWATCH_ALARM_METRIC_USD_PER_MONTH = 0.10

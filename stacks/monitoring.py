@@ -24,6 +24,8 @@ FSX_FREE_ALARM_FRACTION = 0.10
 # The head node's minute timer: the period of the Slurm metrics, and of the alarm on failed stages.
 HEAD_NODE_PERIOD = Duration.minutes(1)
 WIDGET_HEIGHT = 6
+# The metrics the alarms read, each billed: one each, two for the stall alarm.
+ALARM_METRICS = 5
 DEFAULT_PERIOD = Duration.minutes(5)
 
 

@@ -24,7 +24,7 @@ def test_an_unused_environment_costs_at_most_the_target(name: str) -> None:
     assert idle_usd_per_hour(load_environment(name, ENVIRONMENTS_DIR)) <= IDLE_TARGET_USD_PER_HOUR
 
 
-def test_the_default_idles_on_head_node_file_system_and_nat_only() -> None:
+def test_the_default_idles_on_head_node_file_system_nat_and_monitoring_only() -> None:
     config = load_environment("default", ENVIRONMENTS_DIR)
     billed_while_idle = {line.item.split(",")[0].split(" (")[0] for line in cost_lines(config) if line.idle}
     assert billed_while_idle == {
@@ -32,8 +32,10 @@ def test_the_default_idles_on_head_node_file_system_and_nat_only() -> None:
         "Head node root volume",
         "FSx for Lustre SCRATCH_2",
         "NAT gateway",
+        "CloudWatch: dashboard",
     }
-    assert round(idle_usd_per_hour(config), 2) == 0.63  # 0.3456 + 0.011 + 0.2301 + 0.045
+    # 0.3456 + 0.011 + 0.2301 + 0.045 + (3 + 5 x 0.10 + 14 x 0.30) / 730
+    assert round(idle_usd_per_hour(config), 3) == 0.642
 
 
 def test_a_capacity_block_bills_its_nodes_while_idle() -> None:
@@ -52,6 +54,6 @@ def test_the_command_prints_the_table_and_the_verdict(capsys: pytest.CaptureFixt
     assert main(["--env", "default"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(render_table(load_environment("default", ENVIRONMENTS_DIR)))
-    assert "Idle: $0.63/h, within the $0.75/h target" in out
+    assert "Idle: $0.64/h, within the $0.75/h target" in out
     assert main(["--env", "missing"]) == 2
     assert "environments/missing.yaml: no such environment file" in capsys.readouterr().err

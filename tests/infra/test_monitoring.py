@@ -10,7 +10,7 @@ import botocore.session
 import pytest
 from botocore.validate import ParamValidator
 
-from stacks.monitoring import FSX_FREE_ALARM_FRACTION, GIB
+from stacks.monitoring import ALARM_METRICS, FSX_FREE_ALARM_FRACTION, GIB
 from stacks.training_environment import memory_plan_line
 from tests.conftest import ROOT
 from tests.infra.conftest import Synthesized
@@ -111,6 +111,11 @@ def test_alarms_are_valid_put_metric_alarm_requests(env_name: str, synthesized: 
             for reference in re.findall(r"\b([a-z][a-zA-Z0-9_]*)\b", query.get("Expression", "")):
                 assert reference in ids | {"IF", "FILL", "AND"}, f"{name}: {reference} is no metric id"
         assert sum(q.get("ReturnData", True) for q in request["Metrics"]) == 1, name
+
+
+def test_the_cost_table_counts_every_metric_the_alarms_read(default_env: Synthesized) -> None:
+    read = [q for alarm in alarms_of(default_env).values() for q in alarm["Metrics"] if "MetricStat" in q]
+    assert len(read) == ALARM_METRICS
 
 
 @pytest.mark.parametrize("env_name", ["default", "smoke"])

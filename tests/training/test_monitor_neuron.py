@@ -25,7 +25,7 @@ from moto import mock_aws
 from training.cli import main
 from training.config.site import Site
 from training.monitoring import cloudwatch
-from training.monitoring.neuron import CONFIG, config_text, follow, node_data, report_data
+from training.monitoring.neuron import CONFIG, METRICS_PER_REPORT, config_text, follow, node_data, report_data
 
 NAMESPACE = "Trainium/test"
 REGION = "eu-central-1"
@@ -137,6 +137,7 @@ def test_a_training_report() -> None:
             cloudwatch.NEURON_DEVICE_MEMORY_USED, 32 * core_bytes + GIB, "Bytes"
         ),
     }
+    assert len(data) == METRICS_PER_REPORT  # what the cost table counts per node
 
 
 def test_one_application_on_several_cores_and_cores_shared_by_applications() -> None:

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 NEURON_MONITOR = "/opt/aws/neuron/bin/neuron-monitor"  # aws-neuronx-tools; not on a systemd unit's PATH
 PERIOD = "60s"
+# The metrics a report gives (report_data): utilisation, the fullest core's memory, the node's device memory.
+METRICS_PER_REPORT = 3
 CONFIG: dict[str, Any] = {
     "period": PERIOD,
     "neuron_runtimes": [
