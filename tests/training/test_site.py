@@ -38,5 +38,20 @@ def test_every_problem_is_one_line(tmp_path: Path) -> None:
         f"{path}: neuron: 'yes please' is not allowed; allowed: true or false",
         f"{path}: queue: unknown key; allowed keys here: name, runs_root, results, python, setup, slurm_bin, "
         "partition, cpu_partition, processes_per_node, instance_type, exclusive, neuron, efa, compile_cache, "
-        "max_restarts, time_minutes",
+        "max_restarts, time_minutes, region, metrics_namespace",
     ]
+
+
+def test_the_region_and_the_metrics_namespace_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "site.yaml"
+    path.write_text('region: Oregon\nmetrics_namespace: "Trainium default"\n')
+    with pytest.raises(ConfigError) as raised:
+        load_site(path)
+    assert raised.value.problems == [
+        f"{path}: region: 'Oregon' is not allowed; allowed: an AWS region such as us-west-2",
+        f"{path}: metrics_namespace: 'Trainium default' is not allowed; allowed: a CloudWatch namespace "
+        "such as Trainium/default (1 to 255 of letters, digits and . - _ / # :)",
+    ]
+    path.write_text("region: us-west-2\nmetrics_namespace: Trainium/default\n")
+    site = load_site(path)
+    assert (site.region, site.metrics_namespace) == ("us-west-2", "Trainium/default")

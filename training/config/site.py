@@ -70,7 +70,10 @@ class Site(StrictModel):
         str | None, Strict(), Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d+$"), Allowed("an AWS region such as us-west-2")
     ] = Field(None, description="the AWS region of the jobs' AWS calls (CloudWatch metrics, S3 exports)")
     metrics_namespace: Annotated[
-        str | None, Strict(), Field(pattern=r"^[A-Za-z0-9/_.#:-]{1,255}$"), Allowed("a CloudWatch namespace")
+        str | None,
+        Strict(),
+        Field(pattern=r"^[A-Za-z0-9/_.#:-]{1,255}$"),
+        Allowed("a CloudWatch namespace such as Trainium/default (1 to 255 of letters, digits and . - _ / # :)"),
     ] = Field(None, description="CloudWatch namespace of the training metrics; omit to keep them in files only")
 
 
