@@ -32,6 +32,7 @@ import math
 import os
 import queue
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,7 @@ def open_metrics(
         return MetricsSink(jsonl)
     from torch.utils.tensorboard import SummaryWriter
 
+    _wait_for_a_later_second(tensorboard_dir(checkpoint_dir))
     # purge_step: TensorBoard discards what earlier writers logged from this step on (a killed attempt's
     # steps after its last checkpoint), so the resumed run's values replace them.
     writer = SummaryWriter(log_dir=str(tensorboard_dir(checkpoint_dir)), purge_step=first_step)
@@ -225,6 +227,24 @@ def open_metrics(
         run = f" and dimension {cloudwatch.RUN_DIMENSION}={sender.run_id}" if sender.run_id else ""
         log.info(f"sending training metrics to CloudWatch namespace {namespace} without dimensions{run}")
     return MetricsSink(jsonl, writer, sender)
+
+
+EVENT_FILE_PREFIX = "events.out.tfevents."
+
+
+def _wait_for_a_later_second(directory: Path) -> None:
+    """TensorBoard reads a directory's event files in name order, and a name starts with the second its file was
+    created (`events.out.tfevents.<seconds>.<host>.<pid>.<n>`): a file opened in the same second as an earlier
+    attempt's would be read before it when its pid sorts first, and the earlier file's steps would undo the purge.
+    So a writer waits for the next second in that case (only a restart within a second: never on a cluster)."""
+    seconds = [
+        int(part)
+        for path in (directory.glob(f"{EVENT_FILE_PREFIX}*") if directory.is_dir() else [])
+        if (part := path.name.removeprefix(EVENT_FILE_PREFIX).split(".")[0]).isdigit()
+    ]
+    remaining = max(seconds) + 1 - time.time() if seconds else 0.0
+    if remaining > 0:
+        time.sleep(remaining)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
