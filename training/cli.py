@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 from training.config.recipe import bundled_recipes
 from training.errors import UserError, decode_error, os_error, report
 from training.logs import LEVEL_VARIABLE, setup_logging
+from training.monitoring.neuron import NEURON_MONITOR
 
 DEFAULT_PRETRAIN_SOURCE = "wikicorpus:raw_en"  # the first source document's corpus
 DEFAULT_PRETRAIN_SEQ_LEN = 8192  # Llama 3.1 8B block size in the reference example
@@ -307,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
     neuron.add_argument(
         "--neuron-monitor",
-        default="/opt/aws/neuron/bin/neuron-monitor",
+        default=NEURON_MONITOR,
         metavar="PATH",
         help="the neuron-monitor executable (default: %(default)s, from aws-neuronx-tools)",
     )
@@ -467,22 +468,19 @@ def site_file(given: Path | None, environ: Mapping[str, str] = os.environ) -> Pa
 
 def _monitor(arguments: argparse.Namespace) -> int:
     from training.config.site import load_site
+    from training.monitoring.cloudwatch import required_namespace
 
     path = site_file(arguments.site)
     site = load_site(path)
-    if not site.metrics_namespace:
-        raise UserError(
-            f"{path or 'the local site defaults'}: no metrics_namespace; set it (e.g. Trainium/<environment>) "
-            "to publish CloudWatch metrics"
-        )
+    namespace = required_namespace(site, str(path or "the local site defaults"))
     if arguments.target == "cluster":
         from training.monitoring.cluster import monitor_cluster
 
-        monitor_cluster(site, dry_run=arguments.dry_run)
+        monitor_cluster(site, namespace, dry_run=arguments.dry_run)
         return 0
     from training.monitoring.neuron import monitor_neuron
 
-    return monitor_neuron(site, dry_run=arguments.dry_run, executable=arguments.neuron_monitor)
+    return monitor_neuron(site, namespace, dry_run=arguments.dry_run, executable=arguments.neuron_monitor)
 
 
 def _pipeline(arguments: argparse.Namespace) -> int:

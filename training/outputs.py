@@ -231,11 +231,11 @@ def files_fingerprint(root: Path, relatives: list[Path]) -> dict[str, Any]:
     return {"directory": str(root.resolve()), "files": len(relatives), "sha256": digest.hexdigest()}
 
 
-def write_file(final: Path, content: str | bytes, *, kill_test: bool = True) -> None:
+def write_file(final: Path, content: str | bytes, *, kill_at: str = "before-rename") -> None:
     """Replace a small file in one rename, so a reader finds the old content or the new, never a part of it.
     A kill leaves the hidden `.NAME.tmp-OWNER` beside it, removed by the next write once its writer is
-    provably gone (the same rules as for directories). `kill_test=False` for a file written inside a command
-    whose own renames the kill tests stop at."""
+    provably gone (the same rules as for directories). `kill_at` names the kill point before the rename: a file
+    written inside a command whose own renames the kill tests stop at takes a name of its own."""
     final = final.absolute()
     final.parent.mkdir(parents=True, exist_ok=True)
     recover(final, warn=False)
@@ -245,8 +245,7 @@ def write_file(final: Path, content: str | bytes, *, kill_test: bool = True) -> 
             temporary.write_bytes(content)
         else:
             temporary.write_text(content, encoding="utf-8")
-        if kill_test:
-            kill_point("before-rename")
+        kill_point(kill_at)
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)

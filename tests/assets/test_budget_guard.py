@@ -10,14 +10,11 @@ runs) on every status.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import boto3
@@ -27,6 +24,7 @@ from pcluster.aws.aws_api import AWSApi
 from pcluster.models.compute_fleet_status_manager import ComputeFleetStatus, ComputeFleetStatusManager
 
 from stacks.config import PARALLELCLUSTER_VERSION
+from tests.support.lambda_handlers import load_handler_file
 
 ROOT = Path(__file__).resolve().parents[2]
 HANDLER_FILE = ROOT / "assets" / "lambda" / "budget_guard" / "handler.py"
@@ -56,21 +54,7 @@ ACTUAL Amount: $2,517.42
 """
 
 
-def load_handler() -> ModuleType:
-    """The handler, loaded from its file as the Lambda runtime loads it (no __pycache__ in the asset)."""
-    spec = importlib.util.spec_from_file_location("budget_guard_handler", HANDLER_FILE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    writes, sys.dont_write_bytecode = sys.dont_write_bytecode, True
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.dont_write_bytecode = writes
-    return module
-
-
-handler = load_handler()
+handler = load_handler_file(HANDLER_FILE, "budget_guard_handler")
 
 
 def budget_event(topic_arn: str) -> dict[str, Any]:

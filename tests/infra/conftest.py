@@ -46,8 +46,12 @@ def cdk_json_context() -> dict[str, Any]:
 
 
 def synthesize(name: str, outdir: Path) -> Synthesized:
-    app = App(outdir=str(outdir), context={**cdk_json_context(), "env": name})
-    config = load_environment(name, ENVIRONMENTS_DIR)
+    return synthesize_config(load_environment(name, ENVIRONMENTS_DIR), outdir)
+
+
+def synthesize_config(config: EnvironmentConfig, outdir: Path) -> Synthesized:
+    """An environment's template and cdk-nag report, its file in environments/ or elsewhere."""
+    app = App(outdir=str(outdir), context={**cdk_json_context(), "env": config.name})
     stack = build_app(app, config)
     app.synth()
     template = json.loads((outdir / f"{stack.stack_name}.template.json").read_text())

@@ -7,7 +7,6 @@ and read with CDK's assertions, which is enough to see which resources exist.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,11 @@ from aws_cdk import App, Stack
 from aws_cdk import aws_budgets as budgets
 from aws_cdk.assertions import Template
 
-from stacks.application import build_app
 from stacks.budget import BudgetGuard
 from stacks.config import ENVIRONMENTS_DIR, EnvironmentConfig, load_environment
 from stacks.notifications import Notifications
 from stacks.training_environment import TrainingEnvironmentStack
-from tests.infra.conftest import Synthesized, cdk_json_context
+from tests.infra.conftest import Synthesized, cdk_json_context, synthesize_config
 from tests.infra.test_validators import cfn_lint
 
 NAME = "budgeted"
@@ -38,16 +36,6 @@ def environment(directory: Path, budget: dict[str, Any] | None) -> EnvironmentCo
         data["budget"] = budget
     (directory / f"{NAME}.yaml").write_text(yaml.safe_dump(data))
     return load_environment(NAME, directory)
-
-
-def synthesize_config(config: EnvironmentConfig, outdir: Path) -> Synthesized:
-    """conftest.synthesize, for an environment file outside environments/."""
-    app = App(outdir=str(outdir), context={**cdk_json_context(), "env": config.name})
-    stack = build_app(app, config)
-    app.synth()
-    template = json.loads((outdir / f"{stack.stack_name}.template.json").read_text())
-    report = json.loads((outdir / "validation-report.json").read_text())
-    return Synthesized(config=config, outdir=outdir, template=template, validation_report=report)
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,12 @@ Python only by its path. A script that relies on PATH for either fails with "com
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
+from tests.support.lambda_handlers import load_handler_file
 from training.local.slurm import CLIENT_COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,14 +63,4 @@ def run_script(script: str, env: dict[str, str], cwd: Path, timeout: float = 120
 
 def load_pipeline_handler() -> ModuleType:
     """The pipeline custom resource's handler, loaded from its file as the Lambda runtime loads it."""
-    spec = importlib.util.spec_from_file_location("pipeline_trigger_handler", HANDLER_FILE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    # No __pycache__ next to the handler: it would ship in the Lambda asset and change its hash.
-    writes, sys.dont_write_bytecode = sys.dont_write_bytecode, True
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.dont_write_bytecode = writes
-    return module
+    return load_handler_file(HANDLER_FILE, "pipeline_trigger_handler")

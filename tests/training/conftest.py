@@ -1,4 +1,5 @@
-"""Tokenizers trained inside the tests (no hub access): Llama-3-style and chat-template variants."""
+"""Tokenizers trained inside the tests (no hub access): Llama-3-style and chat-template variants; recipe
+overrides for the tiny worlds."""
 
 from __future__ import annotations
 
@@ -32,3 +33,14 @@ def chat_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
         extra_specials=(HEADER_START, HEADER_END),
         chat_template=LLAMA3_STYLE_TEMPLATE,
     )
+
+
+def world_overrides(world: dict[str, Path], checkpoints: Path, *extra: str) -> list[str]:
+    """Recipe overrides that train on a tiny world (training.local.tiny) with checkpoints in `checkpoints`."""
+    return [
+        f"model.config={world['hf']}",
+        f"model.pretrained={world['pretrained']}",
+        f"data.path={world['data']}",
+        f"checkpoint.dir={checkpoints}",
+        *extra,
+    ]

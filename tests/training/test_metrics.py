@@ -22,6 +22,7 @@ from botocore.stub import Stubber
 from moto import mock_aws
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.training.conftest import world_overrides
 from training.config.recipe import Recipe, load_recipe
 from training.local.tiny import build_tiny_world
 from training.monitoring import cloudwatch
@@ -46,14 +47,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def overrides(world: dict[str, Path], checkpoints: Path, *extra: str) -> list[str]:
-    return [
-        f"model.config={world['hf']}",
-        f"model.pretrained={world['pretrained']}",
-        f"data.path={world['data']}",
-        f"checkpoint.dir={checkpoints}",
-        "parallelism.tp=1",
-        *extra,
-    ]
+    return world_overrides(world, checkpoints, "parallelism.tp=1", *extra)
 
 
 def recipe(world: dict[str, Path], checkpoints: Path, *extra: str) -> Recipe:

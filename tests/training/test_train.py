@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.training.conftest import world_overrides
 from training.cli import main
 from training.formats.convert import ConvertOptions, convert
 from training.local.tiny import build_tiny_world
@@ -33,16 +34,6 @@ def llama_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def mixtral_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_tiny_world(tmp_path_factory.mktemp("tiny-mixtral"), "mixtral", tp=1, pp=2)  # as the recipe
-
-
-def world_overrides(world: dict[str, Path], checkpoints: Path, *extra: str) -> list[str]:
-    return [
-        f"model.config={world['hf']}",
-        f"model.pretrained={world['pretrained']}",
-        f"data.path={world['data']}",
-        f"checkpoint.dir={checkpoints}",
-        *extra,
-    ]
 
 
 def torchrun(

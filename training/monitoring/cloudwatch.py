@@ -100,14 +100,14 @@ def with_dimension(data: Iterable[Datum], name: str, value: str) -> list[Datum]:
     return result
 
 
-def required_namespace(site: Site) -> str:
-    """The site's namespace; a site without one (the local defaults) keeps its metrics to itself."""
+def required_namespace(site: Site, source: str) -> str:
+    """The site's namespace; a site without one (the local defaults) keeps its metrics to itself.
+    `source`: where the site's settings came from, for the message."""
     from training.errors import UserError
 
     if not site.metrics_namespace:
         raise UserError(
-            f"site {site.name!r} has no metrics_namespace: set it in the site file (e.g. {namespace_of(site.name)}) "
-            "to publish CloudWatch metrics"
+            f"{source}: no metrics_namespace; set it (e.g. Trainium/<environment>) to publish CloudWatch metrics"
         )
     return site.metrics_namespace
 
@@ -122,11 +122,12 @@ def print_requests(namespace: str, data: Iterable[Datum], out: IO[str] | None = 
     return printed
 
 
-def cloudwatch_client(region: str | None) -> Any:
-    """boto3's CloudWatch client in `region` (None: boto3's own default), with standard retries."""
+def cloudwatch_client(region: str | None, *, max_attempts: int = 5, timeout_seconds: float | None = None) -> Any:
+    """boto3's CloudWatch client in `region` (None: boto3's own default), with standard retries; `timeout_seconds`
+    bounds each connection and read (None: botocore's 60 s)."""
     import boto3
     from botocore.config import Config
 
-    return boto3.client(
-        "cloudwatch", region_name=region, config=Config(retries={"mode": "standard", "max_attempts": 5})
-    )
+    timeouts = {} if timeout_seconds is None else {"connect_timeout": timeout_seconds, "read_timeout": timeout_seconds}
+    config = Config(retries={"mode": "standard", "max_attempts": max_attempts}, **timeouts)
+    return boto3.client("cloudwatch", region_name=region, config=config)

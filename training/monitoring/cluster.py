@@ -36,7 +36,6 @@ from training.monitoring.cloudwatch import (
     cloudwatch_client,
     print_requests,
     put_metrics,
-    required_namespace,
 )
 from training.pipeline import runs
 
@@ -184,9 +183,9 @@ def collect(site: Site) -> list[Datum]:
     return data
 
 
-def monitor_cluster(site: Site, *, dry_run: bool, client: MetricsClient | None = None) -> list[Datum]:
-    """Collect once and publish (or, with `dry_run`, print the PutMetricData requests as JSON lines)."""
-    namespace = required_namespace(site)
+def monitor_cluster(site: Site, namespace: str, *, dry_run: bool, client: MetricsClient | None = None) -> list[Datum]:
+    """Collect once and publish to `namespace` (or, with `dry_run`, print the PutMetricData requests as JSON
+    lines)."""
     data = collect(site)
     if dry_run:
         print_requests(namespace, data)

@@ -42,7 +42,6 @@ from training.monitoring.cloudwatch import (
     cloudwatch_client,
     print_requests,
     put_metrics,
-    required_namespace,
     with_dimension,
 )
 
@@ -172,11 +171,10 @@ def _is_aws_error(error: Exception) -> bool:
 
 
 def monitor_neuron(
-    site: Site, *, dry_run: bool, executable: str = NEURON_MONITOR, client: MetricsClient | None = None
+    site: Site, namespace: str, *, dry_run: bool, executable: str = NEURON_MONITOR, client: MetricsClient | None = None
 ) -> int:
-    """Run neuron-monitor and publish its reports until it exits; the exit status to return (never 0: the
-    monitor is meant to run for ever, so its end is a failure for systemd to restart)."""
-    namespace = required_namespace(site)
+    """Run neuron-monitor and publish its reports to `namespace` until it exits; the exit status to return (never
+    0: the monitor is meant to run for ever, so its end is a failure for systemd to restart)."""
     if not Path(executable).is_file():
         raise UserError(f"neuron-monitor: not found at {executable} (installed by aws-neuronx-tools on Trainium nodes)")
     if dry_run:

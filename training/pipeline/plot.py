@@ -80,7 +80,7 @@ def plot_metrics(metrics_jsonl: Path, png: Path, *, run_id: str | None = None) -
     figure.savefig(buffer, format="png")  # the same records give the same bytes (PNG has no time stamp)
     data = buffer.getvalue()
     if not png.is_file() or png.read_bytes() != data:  # unchanged, the file keeps its mtime (export's fingerprint)
-        outputs.write_file(png, data, kill_test=False)  # export draws it; its kill tests stop at its renames
+        outputs.write_file(png, data, kill_at="plot-before-rename")  # export's kill tests stop at its own renames
     return png
 
 

@@ -141,7 +141,8 @@ class CloudWatchSender:
             timestamp, data = item
             try:
                 if self._client is None:
-                    self._client = _cloudwatch_client()
+                    # Short timeouts and few attempts: a record that cannot be sent soon is not worth a queue of them.
+                    self._client = cloudwatch.cloudwatch_client(None, max_attempts=3, timeout_seconds=10)
                 cloudwatch.put_metrics(self._client, self.namespace, data, timestamp)
                 self.sent += 1
             except Exception as error:  # anything at all: metrics never stop training
@@ -156,16 +157,6 @@ class CloudWatchSender:
                 f"CloudWatch: metrics not sent to namespace {self.namespace} ({reason}); training continues, "
                 "further failures are counted, not logged"
             )
-
-
-def _cloudwatch_client() -> cloudwatch.MetricsClient:
-    import boto3
-    from botocore.config import Config
-
-    # Short timeouts and few attempts: a record that cannot be sent soon is not worth a queue of them.
-    config = Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 3, "mode": "standard"})
-    client: cloudwatch.MetricsClient = boto3.client("cloudwatch", config=config)
-    return client
 
 
 class MetricsSink:
