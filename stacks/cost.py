@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from stacks.config import EnvironmentConfig, load_environment
 from stacks.instance_types import (
     CLOUDWATCH_ALARM_METRIC_USD_PER_MONTH,
+    CLOUDWATCH_COMPOSITE_ALARM_USD_PER_MONTH,
     CLOUDWATCH_DASHBOARD_USD_PER_MONTH,
     CLOUDWATCH_METRIC_USD_PER_MONTH,
     COMPUTE_INSTANCE_TYPES,
@@ -24,7 +25,10 @@ from stacks.instance_types import (
     FSX_SCRATCH_2_USD_PER_GB_MONTH,
     GP3_USD_PER_GIB_MONTH,
     HOURS_PER_MONTH,
+    KMS_KEY_USD_PER_MONTH,
     NAT_GATEWAY_USD_PER_HOUR,
+    PUBLIC_IPV4_USD_PER_HOUR,
+    ROUTE53_HOSTED_ZONE_USD_PER_MONTH,
 )
 from stacks.monitoring import ALARM_METRICS
 from training.errors import UserError, report
@@ -33,6 +37,13 @@ from training.monitoring.neuron import METRICS_PER_REPORT
 from training.train.metrics import CLOUDWATCH_METRICS
 
 IDLE_TARGET_USD_PER_HOUR = 0.75  # what an environment left deployed but unused should cost at most
+# What ParallelCluster itself adds while idle (pcluster/templates/cluster_stack.py `_add_head_node_alarms` and
+# slurm_builder.py): the head node's alarms (Health, Cpu, Mem, Disk and, with CloudWatch logs on, the clustermgtd
+# heartbeat) and one composite alarm over them, its CloudWatch agent's metrics (mem_used_percent,
+# disk_used_percent) and the heartbeat's metric filter, its dashboard, and a Route 53 private hosted zone for
+# the nodes' names.
+PARALLELCLUSTER_HEAD_NODE_ALARMS = 5
+PARALLELCLUSTER_CUSTOM_METRICS = 3
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,10 @@ def cost_lines(config: EnvironmentConfig) -> list[CostLine]:
         ),
         CostLine(f"Head node root volume, {config.head_node.root_volume_gib} GiB gp3", head_root, head_root, head_root),
         CostLine(f"FSx for Lustre SCRATCH_2, {config.storage.fsx_capacity_gib} GiB", fsx, fsx, fsx),
-        CostLine("NAT gateway (plus $0.045 per GB processed)", *(NAT_GATEWAY_USD_PER_HOUR,) * 3),
+        CostLine(
+            "NAT gateway and its public IPv4 address (plus $0.045 per GB processed)",
+            *(NAT_GATEWAY_USD_PER_HOUR + PUBLIC_IPV4_USD_PER_HOUR,) * 3,
+        ),
         CostLine(
             f"{compute.instance_type} x {nodes} ({idle_nodes} while idle)",
             idle_nodes * trainium,
@@ -76,6 +90,9 @@ def cost_lines(config: EnvironmentConfig) -> list[CostLine]:
         ),
     ]
     lines.append(monitoring_line(config))
+    lines.append(parallelcluster_line())
+    key = KMS_KEY_USD_PER_MONTH / HOURS_PER_MONTH
+    lines.append(CostLine("KMS key of the alarm topic", key, key, key))
     if config.cpu_queue is not None:
         cpu = config.cpu_queue
         per_node = CPU_INSTANCE_TYPES[cpu.instance_type].usd_per_hour + volume_usd_per_hour(cpu.root_volume_gib)
@@ -105,6 +122,25 @@ def monitoring_line(config: EnvironmentConfig) -> CostLine:
         idle,
         idle,
         idle + training * CLOUDWATCH_METRIC_USD_PER_MONTH / HOURS_PER_MONTH,
+    )
+
+
+def parallelcluster_line() -> CostLine:
+    """What ParallelCluster's own monitoring and name service cost, whatever the environment."""
+    monthly = (
+        CLOUDWATCH_DASHBOARD_USD_PER_MONTH
+        + PARALLELCLUSTER_HEAD_NODE_ALARMS * CLOUDWATCH_ALARM_METRIC_USD_PER_MONTH
+        + CLOUDWATCH_COMPOSITE_ALARM_USD_PER_MONTH
+        + PARALLELCLUSTER_CUSTOM_METRICS * CLOUDWATCH_METRIC_USD_PER_MONTH
+        + ROUTE53_HOSTED_ZONE_USD_PER_MONTH
+    )
+    hourly = monthly / HOURS_PER_MONTH
+    return CostLine(
+        f"ParallelCluster: dashboard, {PARALLELCLUSTER_HEAD_NODE_ALARMS} head-node alarms and a composite one, "
+        f"{PARALLELCLUSTER_CUSTOM_METRICS} metrics, Route 53 private zone",
+        hourly,
+        hourly,
+        hourly,
     )
 
 

@@ -21,6 +21,8 @@ from training.monitoring import cloudwatch as names
 GIB = 1024**3
 # The alarm on the file system's free capacity, a fraction of its size.
 FSX_FREE_ALARM_FRACTION = 0.10
+# Minutes in a row the file system must be that full: a checkpoint being written and deleted is not an alarm.
+FSX_LOW_MINUTES = 5
 # The head node's minute timer: the period of the Slurm metrics, and of the alarm on failed stages.
 HEAD_NODE_PERIOD = Duration.minutes(1)
 WIDGET_HEIGHT = 6
@@ -61,8 +63,10 @@ class Monitoring(Construct):
             namespace="AWS/FSx",
             metric_name="FreeDataStorageCapacity",
             dimensions_map={"FileSystemId": file_system_id},
-            statistic="Minimum",
-            period=Duration.minutes(5),
+            # FSx reports each storage target every minute: a minute's Sum is the file system's free bytes at
+            # any capacity (Minimum would be the fullest target's alone).
+            statistic="Sum",
+            period=Duration.minutes(1),
             label="free bytes",
         )
         head_status = cloudwatch.Metric(
@@ -110,6 +114,8 @@ class Monitoring(Construct):
                 free,
                 threshold=fsx_capacity_gib * GIB * FSX_FREE_ALARM_FRACTION,
                 comparison=cloudwatch.ComparisonOperator.LESS_THAN_THRESHOLD,
+                evaluation_periods=FSX_LOW_MINUTES,
+                datapoints=FSX_LOW_MINUTES,
             ),
             self._alarm(
                 "HeadNodeUnhealthy",

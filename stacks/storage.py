@@ -84,9 +84,11 @@ class Storage(Construct):
             ),
             removal_policy=RemovalPolicy.DESTROY,
         )
-        # FSx reads the bucket when it is created, so the bucket policy must exist first.
         if self.bucket.policy is not None:
+            # FSx reads the bucket when it is created, so the bucket policy must exist first.
             self.file_system.node.add_dependency(self.bucket.policy)
+            # The kept bucket keeps its rules too: TLS only, and nobody but the deployment writes node code.
+            self.bucket.policy.apply_removal_policy(RemovalPolicy.RETAIN)
 
     # Access to storage, as statements the stack hands to the constructs that need it (like a Lambda
     # function's `initial_policy`), so they lead the principal's policy.

@@ -481,6 +481,35 @@ def test_duplicate_keys_are_reported_with_their_lines(env_dir: Path) -> None:
     ]
 
 
+# Ten aliases of ten aliases, five levels deep: 10^5 values from 50 lines (the "billion laughs" of YAML).
+ALIAS_BOMB = "".join(
+    f"x{level}: &x{level} [{', '.join([f'*x{level - 1}' if level else 'v'] * 10)}]\n" for level in range(5)
+)
+
+
+def test_anchors_and_aliases_that_expand_past_the_bound_are_one_line(env_dir: Path) -> None:
+    path = write_environment(env_dir, {})
+    path.write_text(ALIAS_BOMB + path.read_text())
+    with pytest.raises(ConfigError) as raised:
+        load_environment("candidate", env_dir)
+    assert raised.value.problems == [
+        "environments-under-test/candidate.yaml: anchors and aliases expand to more than 10,000 values; "
+        "allowed: at most 10,000 values once aliases are expanded"
+    ]
+    # A file that contains itself expands without end: the same line, not a RecursionError.
+    path.write_text("region: &r [*r]\n")
+    with pytest.raises(ConfigError, match="anchors and aliases expand to more than 10,000 values"):
+        load_environment("candidate", env_dir)
+
+
+def test_anchors_and_aliases_within_the_bound_still_work(env_dir: Path) -> None:
+    path = write_environment(env_dir, {"head_node.root_volume_gib": None})
+    text = path.read_text().replace("root_volume_gib: 200", "root_volume_gib: &cpu_root 200", 1)
+    path.write_text(text.replace("head_node:\n", "head_node:\n  root_volume_gib: *cpu_root\n", 1))
+    config = load_environment("candidate", env_dir)
+    assert config.head_node.root_volume_gib == config.cpu_queue.root_volume_gib == 200
+
+
 def test_environment_objects_are_frozen() -> None:
     config = load_environment("default", ENVIRONMENTS_DIR)
     with pytest.raises(ValueError, match="frozen"):

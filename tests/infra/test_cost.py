@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 
 from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import load_environment
-from stacks.cost import IDLE_TARGET_USD_PER_HOUR, cost_lines, idle_usd_per_hour, main, render_table
+from stacks.cost import (
+    IDLE_TARGET_USD_PER_HOUR,
+    PARALLELCLUSTER_CUSTOM_METRICS,
+    PARALLELCLUSTER_HEAD_NODE_ALARMS,
+    cost_lines,
+    idle_usd_per_hour,
+    main,
+    render_table,
+)
 from tests.conftest import ROOT
 
 
@@ -31,11 +41,30 @@ def test_the_default_idles_on_head_node_file_system_nat_and_monitoring_only() ->
         "Head node m6a.2xlarge",
         "Head node root volume",
         "FSx for Lustre SCRATCH_2",
-        "NAT gateway",
+        "NAT gateway and its public IPv4 address",
         "CloudWatch: dashboard",
+        "ParallelCluster: dashboard",
+        "KMS key of the alarm topic",
     }
-    # 0.3456 + 0.011 + 0.2301 + 0.045 + (3 + 5 x 0.10 + 14 x 0.30) / 730
-    assert round(idle_usd_per_hour(config), 3) == 0.642
+    # 0.3456 + 0.011 + 0.2301 + 0.045 + 0.005 + (3 + 5 x 0.10 + 14 x 0.30) / 730
+    #   + (3 + 5 x 0.10 + 0.50 + 3 x 0.30 + 0.50) / 730 + 1 / 730
+    assert round(idle_usd_per_hour(config), 3) == 0.656
+
+
+def test_parallelclusters_own_alarms_and_metrics_are_counted_from_its_source() -> None:
+    """The head node's alarms, as the installed ParallelCluster builds them (with CloudWatch logs on, as here)."""
+    spec = importlib.util.find_spec("pcluster")
+    assert spec is not None and spec.origin is not None
+    # Read, not imported: the package's templates are written against CDK v1.
+    stack = (Path(spec.origin).parent / "templates" / "cluster_stack.py").read_text()
+    source = stack[stack.index("def _add_head_node_alarms") :]
+    source = source[: source.index("\n    def ", 1)]
+    alarms = re.findall(r'^\s+"(\w+)": \{$', source, flags=re.MULTILINE)
+    alarms += re.findall(r"metrics_for_alarms\[(\w+)\] = ", source)
+    assert len(alarms) == PARALLELCLUSTER_HEAD_NODE_ALARMS, alarms
+    assert source.count("cloudwatch.CompositeAlarm(") == 1
+    agent_metrics = re.findall(r'"CWAgent", "(\w+)"', source)
+    assert len(agent_metrics) + source.count("CfnMetricFilter(") == PARALLELCLUSTER_CUSTOM_METRICS
 
 
 def test_a_capacity_block_bills_its_nodes_while_idle() -> None:
@@ -54,6 +83,6 @@ def test_the_command_prints_the_table_and_the_verdict(capsys: pytest.CaptureFixt
     assert main(["--env", "default"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(render_table(load_environment("default", ENVIRONMENTS_DIR)))
-    assert "Idle: $0.64/h, within the $0.75/h target" in out
+    assert "Idle: $0.66/h, within the $0.75/h target" in out
     assert main(["--env", "missing"]) == 2
     assert "environments/missing.yaml: no such environment file" in capsys.readouterr().err

@@ -157,6 +157,10 @@ def test_fsx_alarm_fires_under_a_tenth_of_the_capacity(default_env: Synthesized)
     assert alarm["ComparisonOperator"] == "LessThanThreshold"
     capacity = default_env.config.storage.fsx_capacity_gib
     assert alarm["Threshold"] == pytest.approx(capacity * GIB * FSX_FREE_ALARM_FRACTION)
+    # FSx's Sum over one minute is the whole file system's free bytes at any number of storage targets; the
+    # Minimum is the fullest target's, and a longer period would add several minutes' samples together.
+    assert (query["MetricStat"]["Stat"], query["MetricStat"]["Period"]) == ("Sum", 60)
+    assert alarm["EvaluationPeriods"] == alarm["DatapointsToAlarm"] == 5
 
 
 def test_topic_is_encrypted_and_open_to_cloudwatch_and_budgets_of_this_account_only(default_env: Synthesized) -> None:

@@ -200,6 +200,17 @@ def test_results_bucket_is_encrypted_private_versioned_tls_only_and_kept(default
     )
 
 
+def test_the_kept_bucket_keeps_its_policy(synthesized: dict[str, Synthesized]) -> None:
+    """A bucket kept on destroy without its policy would lose TLS-only and the write denials of node code."""
+    for env in synthesized.values():
+        bucket = logical_id(env, "AWS::S3::Bucket")
+        (policy,) = env.resources_of_type("AWS::S3::BucketPolicy").values()
+        assert policy["Properties"]["Bucket"] == {"Ref": bucket}
+        assert (policy["DeletionPolicy"], policy["UpdateReplacePolicy"]) == ("Retain", "Retain")
+        sids = {statement.get("Sid") for statement in policy["Properties"]["PolicyDocument"]["Statement"]}
+        assert {"OnlyTheDeploymentWritesNodeCode", "NobodyWritesExecutedFileSystemFolders"} <= sids
+
+
 def test_scratch_2_file_system_linked_to_the_bucket(default_env: Synthesized) -> None:
     bucket = logical_id(default_env, "AWS::S3::Bucket")
     repository = {"Fn::Join": ["", ["s3://", {"Ref": bucket}, "/fsx"]]}

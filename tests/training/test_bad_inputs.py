@@ -127,6 +127,12 @@ CASES: dict[str, Bad] = {
     "learning rate infinite": Bad(train("optimizer.lr=.inf"), "optimizer.lr"),
     "recipe file not YAML": Bad("train --recipe {tmp}/broken.yaml", "{tmp}/broken.yaml: not valid YAML"),
     "recipe file not UTF-8": Bad("train --recipe {tmp}/latin1.yaml", "{tmp}/latin1.yaml: not UTF-8 text"),
+    "recipe file whose aliases explode": Bad(
+        "train --recipe {tmp}/aliases.yaml", "{tmp}/aliases.yaml: anchors and aliases expand to more than 10,000"
+    ),
+    "site file whose aliases explode": Bad(
+        "status --site {tmp}/aliases.yaml", "{tmp}/aliases.yaml: anchors and aliases expand to more than 10,000"
+    ),
     "site file with an unknown key": Bad("status --site {tmp}/unknown-key.yaml", "colour: unknown key"),
     "site file with a wrong type": Bad("status --site {tmp}/wrong-type.yaml", "python: 3 is not allowed"),
     "site file not a mapping": Bad("status --site {tmp}/list.yaml", "top level must be a mapping"),
@@ -164,6 +170,10 @@ def populate(tmp: Path) -> None:
     (tmp / "list.yaml").write_text("- a\n- b\n")
     (tmp / "twice.yaml").write_text("runs_root: a\nruns_root: b\n")
     (tmp / "stray-colon.yaml").write_text("python: python3: -u\n")
+    # Ten aliases of ten, five levels deep: 10^5 values from five lines.
+    (tmp / "aliases.yaml").write_text(
+        "".join(f"x{n}: &x{n} [{', '.join([f'*x{n - 1}' if n else 'v'] * 10)}]\n" for n in range(5))
+    )
 
 
 def tree(root: Path) -> set[str]:

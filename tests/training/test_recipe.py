@@ -126,6 +126,18 @@ def test_duplicate_keys_are_an_error(tmp_path: Path) -> None:
     assert str(caught.value) == f"{recipe}: steps: appears twice (lines {first} and {last}); allowed: each key once"
 
 
+def test_an_override_whose_aliases_explode_is_one_line() -> None:
+    levels = ["&x0 [" + ", ".join(["v"] * 10) + "]"]
+    levels += [f"&x{n} [" + ", ".join([f"*x{n - 1}"] * 10) + "]" for n in range(1, 5)]
+    bomb = "[" + ", ".join(levels) + "]"  # the last level alone stands for 10^5 values
+    with pytest.raises(UserError) as caught:
+        load_recipe("tiny-llama-cpt", [f"model.config={bomb}"])
+    assert str(caught.value) == (
+        "override model.config: anchors and aliases expand to more than 10,000 values; "
+        "allowed: at most 10,000 values once aliases are expanded"
+    )
+
+
 def test_micro_batch_must_divide_global_batch_over_data_parallel_ranks() -> None:
     with pytest.raises(UserError, match=r"batch.global 8 is not a multiple of batch.micro 2 x data-parallel ranks 3"):
         BatchPlan(8, 2, 3).check()

@@ -33,6 +33,10 @@ class ConfigError(UserError):
         self.problems = list(problems)
 
 
+class YamlSyntaxError(ConfigError):
+    """Text that is not YAML at all (a recipe override's value then stays a plain string)."""
+
+
 class StrictModel(BaseModel):
     """A section of a settings file: frozen, no unknown keys, no silent type conversions."""
 
@@ -148,8 +152,68 @@ def yaml_problem(error: yaml.YAMLError) -> str:
     return f"{problem}{where}" + (f" ({context})" if context else "")
 
 
+# A reviewed settings file spells its values out; anchors and aliases that multiply them (the "billion
+# laughs" of YAML) would make every later walk of the data (validation, JSON for a template) explode.
+MAX_YAML_VALUES = 10_000
+
+
+def expanded_values(node: yaml.Node, limit: int = MAX_YAML_VALUES) -> int:
+    """How many values `node` stands for once every alias is expanded, counted up to `limit + 1`.
+
+    Aliases share the anchored node, so sizes are memoised per node: linear in the file, not in the
+    expansion. A node that contains itself expands without end and counts as over the limit."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(current: yaml.Node) -> int:
+        key = id(current)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            return limit + 1
+        open_nodes.add(key)
+        total = 1
+        if isinstance(current, yaml.SequenceNode):
+            children: list[yaml.Node] = list(current.value)
+        elif isinstance(current, yaml.MappingNode):
+            children = [part for pair in current.value for part in pair]
+        else:
+            children = []
+        for child in children:
+            total = min(total + size(child), limit + 1)
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(node)
+
+
+def parse_yaml(text: str, label: str) -> Any:
+    """`text` parsed as one YAML document; malformed YAML, duplicate keys and aliases that expand past
+    MAX_YAML_VALUES are ConfigErrors naming `label`."""
+    loader = _UniqueKeyLoader(text)
+    loader.duplicates = []
+    try:
+        node = loader.get_single_node()
+        if node is not None and expanded_values(node) > MAX_YAML_VALUES:
+            raise ConfigError(
+                [
+                    f"{label}: anchors and aliases expand to more than {MAX_YAML_VALUES:,} values; "
+                    f"allowed: at most {MAX_YAML_VALUES:,} values once aliases are expanded"
+                ]
+            )
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as error:
+        raise YamlSyntaxError([f"{label}: not valid YAML: {yaml_problem(error)}"]) from None
+    finally:
+        loader.dispose()
+    if loader.duplicates:
+        raise ConfigError([f"{label}: {problem}" for problem in loader.duplicates])
+    return data
+
+
 def read_yaml(path: Path, label: str) -> Any:
-    """The parsed file; unreadable, malformed YAML and duplicate keys are ConfigErrors naming `label`."""
+    """The parsed file; unreadable, malformed or exploding YAML and duplicate keys are ConfigErrors naming `label`."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
@@ -158,17 +222,7 @@ def read_yaml(path: Path, label: str) -> Any:
         raise ConfigError(
             [f"{label}: not UTF-8 text ({error.reason} at byte {error.start}); allowed: a UTF-8 YAML file"]
         ) from None
-    loader = _UniqueKeyLoader(text)
-    loader.duplicates = []
-    try:
-        data = loader.get_single_data()
-    except yaml.YAMLError as error:
-        raise ConfigError([f"{label}: not valid YAML: {yaml_problem(error)}"]) from None
-    finally:
-        loader.dispose()
-    if loader.duplicates:
-        raise ConfigError([f"{label}: {problem}" for problem in loader.duplicates])
-    return data
+    return parse_yaml(text, label)
 
 
 def read_mapping(path: Path, label: str) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import Field, Strict
 
 from training.config.loading import (
@@ -27,10 +26,12 @@ from training.config.loading import (
     Str,
     StrictModel,
     Text,
+    YamlSyntaxError,
     build,
     check,
     has_control_characters,
     not_allowed,
+    parse_yaml,
     read_mapping,
 )
 from training.errors import UserError
@@ -227,8 +228,8 @@ def apply_override(raw: dict[str, Any], override: str, label: str) -> None:
             raise UserError(not_allowed("override", override, f"a key inside a section; {part} in {label} is a value"))
         node = child
     try:
-        node[leaf] = yaml.safe_load(value) if value else None
-    except yaml.YAMLError:
+        node[leaf] = parse_yaml(value, f"override {key}") if value else None
+    except YamlSyntaxError:
         node[leaf] = value
 
 
