@@ -16,12 +16,16 @@ export AWS_EC2_METADATA_DISABLED := true
 
 deps: $(VENV)/.installed node_modules/.installed
 
-## System tools the tests use: shellcheck lints the node bootstrap script (Debian package, needs root).
+## System tools the tests use (Debian packages, installed as root when missing): shellcheck lints the node
+## bootstrap script; gpg (gnupg) makes the test keys whose fingerprints the bootstrap checks.
+TOOLS := shellcheck:shellcheck gpg:gnupg
 tools:
-	@command -v shellcheck >/dev/null || { \
+	@missing=""; for tool in $(TOOLS); do \
+	  command -v "$${tool%%:*}" >/dev/null || missing="$$missing $${tool#*:}"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck >/dev/null; \
-	  else echo "shellcheck is missing: install it (e.g. sudo apt-get install shellcheck)" >&2; exit 1; fi; }
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "missing:$$missing: install it (e.g. sudo apt-get install$$missing)" >&2; exit 1; fi; fi
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -13,7 +13,6 @@ from aws_cdk import aws_fsx as fsx
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
-from aws_cdk import aws_s3_assets as s3_assets
 from aws_cdk import aws_s3_deployment as s3_deployment
 from constructs import Construct
 
@@ -25,8 +24,14 @@ BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "node" / 
 # ParallelCluster's provider may attach only policies under this path (or named parallelcluster*).
 PARALLELCLUSTER_POLICY_PATH = "/parallelcluster/"
 # The bucket prefix of the files nodes read while bootstrapping, at keys that never change: the cluster
-# configuration names them, and ParallelCluster cannot update the head node's OnNodeConfigured.
+# configuration names them, and ParallelCluster cannot update the head node's OnNodeConfigured. Only the
+# deployment writes there (Storage.protect_executed_code), so a new script or setting is a new object at the
+# same key, which the next node to boot runs, and never a change of the cluster configuration.
 NODE_FILES_PREFIX = "cluster/"
+NODE_SETTINGS_FILE = "node-settings.json"
+# Where the first Trainium node records the Neuron apt key's fingerprint, once (a conditional write that
+# cannot overwrite); not under NODE_FILES_PREFIX, which only the deployment writes.
+NEURON_APT_KEY_RECORD = "trust/neuron-apt-key.fingerprint"
 
 
 def provider_template_url(version: str) -> str:
@@ -60,22 +65,39 @@ class NodeHealth:
 
 
 def bootstrap_arguments(
-    *, neuron_release: str, shared_env: str, requirements_uri: str, health: NodeHealth, environment_name: str
+    *,
+    neuron_release: str,
+    shared_env: str,
+    requirements_uri: str,
+    node_settings_uri: str,
+    health: NodeHealth,
+    environment_name: str,
 ) -> tuple[str, ...]:
-    """Arguments of the OnNodeConfigured script: nothing that changes with the training code.
+    """Arguments of the OnNodeConfigured script: only what never changes for the cluster's life.
 
     The environment's name tells the nodes' metric publishers which site file to follow (its namespace and
     region).
 
-    The requirement set is passed by its stable S3 key, not by content, so a new lock never changes the
-    cluster configuration; the pipeline brings the shared environment up to date before a new run.
+    The requirement set and the node settings are passed by their stable S3 keys, not by content, so a new lock
+    or setting never changes the cluster configuration; the pipeline brings the shared environment up to date
+    before a new run, and every node reads the settings when it boots.
     """
     return (
         *("--neuron-release", neuron_release, "--shared-env", shared_env, "--requirements", requirements_uri),
+        *("--node-settings", node_settings_uri),
         *("--trainium-partition", health.partition),
         *("--neuron-devices", str(health.neuron_devices), "--efa-devices", str(health.efa_devices)),
         *("--environment", environment_name),
     )
+
+
+def node_settings(*, neuron_apt_key_fingerprint: str | None, neuron_apt_key_record: str) -> dict[str, str]:
+    """What the bootstrap reads from `NODE_SETTINGS_FILE` at every boot: settings a user may change on day 2.
+    A setting left out of the environment file is left out here (the bootstrap reads it as unset)."""
+    settings = {"neuron_apt_key_record": neuron_apt_key_record}
+    if neuron_apt_key_fingerprint:
+        settings["neuron_apt_key_fingerprint"] = neuron_apt_key_fingerprint.upper()
+    return settings
 
 
 class Cluster(Construct):
@@ -83,6 +105,10 @@ class Cluster(Construct):
 
     `head_node_access` and `compute_node_access` are the statements the stack grants each node type on
     resources outside the cluster; they lead the node policies, before the cluster's own statements.
+
+    Every file a node executes or reads while bootstrapping (the script, the locked requirement set, the node
+    settings) is uploaded by one deployment to fixed keys under `NODE_FILES_PREFIX`: the cluster configuration
+    names the keys, never the content, so no edit of them is an update ParallelCluster refuses.
     """
 
     def __init__(
@@ -96,6 +122,7 @@ class Cluster(Construct):
         metrics_namespace: str,
         neuron_release: str,
         shared_env: str,
+        neuron_apt_key_fingerprint: str | None,
         health: NodeHealth,
         head_node_subnet: ec2.ISubnet,
         compute_subnet: ec2.ISubnet,
@@ -108,23 +135,42 @@ class Cluster(Construct):
     ) -> None:
         super().__init__(scope, construct_id)
         self.cluster_name = cluster_name
-        self.bootstrap_script = s3_assets.Asset(self, "BootstrapScript", path=str(BOOTSTRAP_SCRIPT))
-        # The locked requirement set at a fixed key (the same file the pipeline ships with the code).
+        self.node_files_bucket = node_files_bucket
+        bucket_uri = f"s3://{node_files_bucket.bucket_name}/"
+        # The bootstrap script and the locked requirement set (the same file the pipeline ships with the code),
+        # and the day-2 settings, at fixed keys.
+        node_files = (BOOTSTRAP_SCRIPT, LOCK)  # both in assets/node/
         self.node_files = s3_deployment.BucketDeployment(
             self,
             "NodeFiles",
-            sources=[s3_deployment.Source.asset(str(LOCK.parent), exclude=["*", f"!{LOCK.name}"])],
+            sources=[
+                s3_deployment.Source.asset(
+                    str(BOOTSTRAP_SCRIPT.parent), exclude=["*", *(f"!{path.name}" for path in node_files)]
+                ),
+                s3_deployment.Source.json_data(
+                    NODE_SETTINGS_FILE,
+                    node_settings(
+                        neuron_apt_key_fingerprint=neuron_apt_key_fingerprint,
+                        neuron_apt_key_record=f"{bucket_uri}{NEURON_APT_KEY_RECORD}",
+                    ),
+                ),
+            ],
             destination_bucket=node_files_bucket,
             destination_key_prefix=NODE_FILES_PREFIX,
             memory_limit=512,  # shares the stack's one BucketDeployment handler, and its log group
             log_group=deployment_logs,
         )
-        requirements_uri = f"s3://{node_files_bucket.bucket_name}/{NODE_FILES_PREFIX}{LOCK.name}"
+        self.bootstrap_script_uri = f"{bucket_uri}{NODE_FILES_PREFIX}{BOOTSTRAP_SCRIPT.name}"
+        requirements_uri = f"{bucket_uri}{NODE_FILES_PREFIX}{LOCK.name}"
+        node_settings_uri = f"{bucket_uri}{NODE_FILES_PREFIX}{NODE_SETTINGS_FILE}"
         self.head_node_policy = self._node_policy(
             "HeadNodePolicy", f"Head nodes of {cluster_name}", head_node_access, metrics_namespace
         )
         self.compute_node_policy = self._node_policy(
-            "ComputeNodePolicy", f"Compute nodes of {cluster_name}", compute_node_access, metrics_namespace
+            "ComputeNodePolicy",
+            f"Compute nodes of {cluster_name}",
+            [*compute_node_access, *self._neuron_apt_key_record_access()],
+            metrics_namespace,
         )
 
         self.provider = CfnStack(
@@ -139,11 +185,12 @@ class Cluster(Construct):
             file_system_id=file_system.file_system_id,
             head_node_policy_arn=self.head_node_policy.managed_policy_arn,
             compute_node_policy_arn=self.compute_node_policy.managed_policy_arn,
-            bootstrap_script_url=self.bootstrap_script.s3_object_url,
+            bootstrap_script_url=self.bootstrap_script_uri,
             bootstrap_args=bootstrap_arguments(
                 neuron_release=neuron_release,
                 shared_env=shared_env,
                 requirements_uri=requirements_uri,
+                node_settings_uri=node_settings_uri,
                 health=health,
                 environment_name=environment_name,
             ),
@@ -161,7 +208,7 @@ class Cluster(Construct):
             removal_policy=RemovalPolicy.DESTROY,
         )
         # Nodes download the Neuron SDK while bootstrapping: the NAT route must exist before the cluster, and
-        # the requirement file in the bucket.
+        # the node files in the bucket.
         self.resource.node.add_dependency(compute_subnet.internet_connectivity_established)
         self.resource.node.add_dependency(self.node_files)
         self.head_node_instance_id = self.resource.get_att_string("headNode.instanceId")
@@ -190,6 +237,31 @@ class Cluster(Construct):
             ),
         ]
 
+    def _neuron_apt_key_record_access(self) -> list[iam.PolicyStatement]:
+        """Trainium nodes read the recorded fingerprint of the Neuron apt key, and create it when absent: a
+        conditional write (If-None-Match), which S3 refuses once the object exists, so no node can replace the
+        record or delete it (AWS: "Enforce conditional writes on Amazon S3 buckets")."""
+        record = self.node_files_bucket.arn_for_objects(NEURON_APT_KEY_RECORD)
+        return [
+            iam.PolicyStatement(actions=["s3:GetObject"], resources=[record]),
+            iam.PolicyStatement(
+                actions=["s3:PutObject"],
+                resources=[record],
+                conditions={"Null": {"s3:if-none-match": "false"}},
+            ),
+            iam.PolicyStatement(
+                effect=iam.Effect.DENY,
+                actions=["s3:PutObject"],
+                resources=[record],
+                conditions={"Null": {"s3:if-none-match": "true"}},
+            ),
+            iam.PolicyStatement(
+                effect=iam.Effect.DENY,
+                actions=["s3:DeleteObject", "s3:DeleteObjectVersion"],
+                resources=[record],
+            ),
+        ]
+
     def _node_policy(
         self,
         construct_id: str,
@@ -197,7 +269,8 @@ class Cluster(Construct):
         access: Sequence[iam.PolicyStatement],
         metrics_namespace: str,
     ) -> iam.ManagedPolicy:
-        """Least privilege for cluster nodes: what the stack grants, the bootstrap script, their metrics."""
+        """Least privilege for cluster nodes: what the stack grants (the bucket's node files among it), their
+        metrics."""
         return iam.ManagedPolicy(
             self,
             construct_id,
@@ -205,18 +278,6 @@ class Cluster(Construct):
             description=description,
             statements=[
                 *access,
-                iam.PolicyStatement(
-                    actions=["s3:GetObject"],
-                    resources=[
-                        Fn.sub(
-                            "arn:${AWS::Partition}:s3:::${Bucket}/${Key}",
-                            {
-                                "Bucket": self.bootstrap_script.s3_bucket_name,
-                                "Key": self.bootstrap_script.s3_object_key,
-                            },
-                        )
-                    ],
-                ),
                 iam.PolicyStatement(
                     actions=["cloudwatch:PutMetricData"],
                     resources=["*"],

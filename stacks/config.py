@@ -135,6 +135,11 @@ class CapacityConfig(StrictModel):
         return self.type in ("reservation", "capacity-block")
 
 
+# How ParallelCluster applies a change of a queue to nodes that run (Scheduling.SlurmSettings.QueueUpdateStrategy).
+# Its third value, COMPUTE_FLEET_STOP, fails every such deploy while a node runs, so it is not offered.
+QueueUpdateStrategy = Literal["DRAIN", "TERMINATE"]
+
+
 class ComputeConfig(StrictModel):
     instance_type: Str = Field("trn1.32xlarge", json_schema_extra={"enum": list(COMPUTE_INSTANCE_TYPES)})
     queue_name: QueueName = "compute1"
@@ -148,6 +153,14 @@ class ComputeConfig(StrictModel):
     capacity: CapacityConfig = CapacityConfig()
     root_volume_gib: RootVolumeGib = 1024
     scaledown_idle_minutes: Annotated[int, Field(strict=True, ge=1), Allowed("1 or more minutes")] = 10
+    queue_update_strategy: Annotated[
+        QueueUpdateStrategy, Allowed("DRAIN (running jobs finish first) or TERMINATE (running nodes are replaced)")
+    ] = Field(
+        "DRAIN",
+        description="how a deploy that changes a queue treats its running nodes: DRAIN lets their jobs finish "
+        "and replaces them afterwards; TERMINATE replaces them at once, killing their jobs (also needed to lower "
+        "max_count while nodes run)",
+    )
 
     @property
     def placement_group_enabled(self) -> bool:
@@ -234,6 +247,24 @@ class PipelineConfig(StrictModel):
     ] = Field(30, description="bound on any wait of the deploy and destroy hooks")
 
 
+NEURON_APT_KEY_FINGERPRINT_PATTERN = r"^[0-9A-Fa-f]{40}$"
+
+
+class NeuronConfig(StrictModel):
+    """The Neuron SDK's apt repository, whose signing key the Trainium nodes download and check before apt
+    trusts it. Delivered to the nodes in a file they read at every boot, so a change is a day-2 change."""
+
+    apt_key_fingerprint: Annotated[
+        str | None,
+        Field(strict=True, pattern=NEURON_APT_KEY_FINGERPRINT_PATTERN),
+        Allowed("the key's fingerprint: 40 hexadecimal digits without spaces, as gpg prints it"),
+    ] = Field(
+        None,
+        description="the fingerprint the Neuron apt key must have; omit to trust the key the first node "
+        "downloads and have every later node compare with it (recorded in the results bucket)",
+    )
+
+
 class EnvironmentConfig(StrictModel):
     """One deployable environment: everything `cdk deploy -c env=NAME` needs."""
 
@@ -255,6 +286,7 @@ class EnvironmentConfig(StrictModel):
     monitoring: MonitoringConfig = MonitoringConfig()
     budget: BudgetConfig = BudgetConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    neuron: NeuronConfig = NeuronConfig()
     tags: dict[Str, Str] = Field(default_factory=dict)
 
     @property

@@ -101,7 +101,8 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
             "Scheduler": "slurm",
             "SlurmSettings": {
                 "ScaledownIdletime": compute.scaledown_idle_minutes,
-                "QueueUpdateStrategy": "TERMINATE",
+                # DRAIN unless the environment says otherwise: a deploy never kills a running job.
+                "QueueUpdateStrategy": compute.queue_update_strategy,
             },
             "SlurmQueues": [queue, *cpu_queues(settings.cpu_queue, resources)],
         },

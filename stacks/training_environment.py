@@ -120,6 +120,7 @@ class TrainingEnvironmentStack(Stack):
             metrics_namespace=namespace_of(config.name),
             neuron_release=neuron_release,
             shared_env=shared_env_path(config, neuron_release),
+            neuron_apt_key_fingerprint=config.neuron.apt_key_fingerprint,
             health=node_health(config),
             head_node_subnet=self.network.private_subnet,
             compute_subnet=self.network.private_subnet,

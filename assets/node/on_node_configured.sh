@@ -7,7 +7,12 @@
 #   on_node_configured.sh --neuron-release 2.28.1 --shared-env /fsx/envs/neuron-2.28.1
 #                         [--requirements FILE|s3://URI] [--pip-index URL] [--apt-suite NAME]
 #                         [--node-type head|compute] [--env-only] [--skip-hosts-fix] [--dry-run]
-#                         [--environment NAME]
+#                         [--environment NAME] [--node-settings FILE|s3://URI]
+#   on_node_configured.sh --refresh [--dry-run]     (head node, later: the first run's arguments again)
+#
+# The deployment uploads this script, the requirement file and the node settings to fixed S3 keys, which the
+# cluster configuration names: a new version reaches every compute node that boots after the deploy, and the
+# head node (which ran the first version once) when `--refresh` runs it again, e.g. through SSM Run Command.
 #
 # What it does, by node type:
 #   head node     apt: python3.X-venv and g++ only. Builds the shared Python venv on the shared
@@ -22,9 +27,12 @@
 #                 pipeline's code: the head node a timer running `monitor cluster` every minute, each
 #                 Trainium node a service running `monitor neuron` (see "monitoring" below).
 #   login node    nothing (it uses the shared venv).
+#   --node-settings  the settings a user may change after the cluster exists (a JSON object, read with
+#                 `node_setting KEY`): the Neuron apt key's fingerprint, and where the first node records it.
+#   --refresh     (head node) runs again with the arguments its first run recorded (ARGUMENTS_FILE).
 #
 # Tests source this file and call its functions; main only runs when the file is executed.
-# Overridable for tests: OS_RELEASE_FILE, PCLUSTER_CFNCONFIG, HOSTS_FILE.
+# Overridable for tests: OS_RELEASE_FILE, PCLUSTER_CFNCONFIG, HOSTS_FILE, ARGUMENTS_FILE.
 set -euo pipefail
 
 # =====================================================================================
@@ -98,6 +106,7 @@ ARG_NEURON_DEVICES=0
 ARG_EFA_DEVICES=0
 ARG_TRAINIUM_PARTITION=""
 ARG_ENVIRONMENT=""
+ARG_NODE_SETTINGS=""
 DRY_RUN=0
 
 # Detected state.
@@ -145,6 +154,11 @@ Options:
   --environment NAME       The environment's name: installs the CloudWatch metrics units (head node:
                            a timer, Trainium nodes: a service) reading <mount>/pipeline/site-NAME.yaml,
                            where <mount> is the parent of --shared-env's "envs" folder.
+  --node-settings SRC      The node settings (a JSON object; a path, or an s3:// URI fetched with the AWS
+                           CLI): the Neuron apt key's fingerprint or where the first node records it.
+  --refresh                First argument only: run again with the arguments the head node's first run
+                           recorded in ${ARGUMENTS_FILE}; later arguments, such as --dry-run, are
+                           added to them.
   --dry-run                Print the apt/pip/system commands instead of running them.
   -h, --help               Show this help.
 EOF
@@ -202,6 +216,7 @@ set_option() {
     --efa-devices) ARG_EFA_DEVICES=${value} ;;
     --trainium-partition) ARG_TRAINIUM_PARTITION=${value} ;;
     --environment) ARG_ENVIRONMENT=${value} ;;
+    --node-settings) ARG_NODE_SETTINGS=${value} ;;
     --apt-suite) ARG_APT_SUITE=${value} ;;
     --node-type) ARG_NODE_TYPE=${value} ;;
     *) usage_error "unknown argument: '${name}'" ;;
@@ -227,8 +242,11 @@ parse_args() {
         ARG_ENV_ONLY=1
         shift
         ;;
+      --refresh)
+        usage_error "--refresh must be the first argument (it replaces the others by the recorded ones)"
+        ;;
       --neuron-release | --shared-env | --pip-index | --requirements | --apt-suite | --node-type | \
-        --neuron-devices | --efa-devices | --trainium-partition | --environment)
+        --neuron-devices | --efa-devices | --trainium-partition | --environment | --node-settings)
         if (($# < 2)) || [[ "$2" == --* ]]; then
           usage_error "$1 requires a value"
         fi
@@ -285,6 +303,9 @@ validate_args() {
   fi
   if [[ -n "${ARG_REQUIREMENTS}" && ! "${ARG_REQUIREMENTS}" =~ ^(s3://[a-z0-9.-]+/|/)[A-Za-z0-9._/-]+$ ]]; then
     usage_error "--requirements must be an absolute path or an s3:// URI, got '${ARG_REQUIREMENTS}'"
+  fi
+  if [[ -n "${ARG_NODE_SETTINGS}" && ! "${ARG_NODE_SETTINGS}" =~ ^(s3://[a-z0-9.-]+/|/)[A-Za-z0-9._/-]+$ ]]; then
+    usage_error "--node-settings must be an absolute path or an s3:// URI, got '${ARG_NODE_SETTINGS}'"
   fi
   if [[ "${ARG_ENV_ONLY}" == 1 && "${ARG_NODE_TYPE}" != head ]]; then
     usage_error "--env-only builds the shared venv, which only the head node does: add --node-type head"
@@ -438,6 +459,160 @@ fix_etc_hosts() {
   log "${hosts_file}: removed the lines mapping ${names[*]}"
 }
 
+# ----------------------------------------------------------------------------- node settings
+
+# Settings a user may change after the cluster exists (environments/NAME.yaml), in a JSON object that the
+# deployment writes to a fixed key and every node reads when it boots: changing one changes that file, never the
+# cluster configuration (which ParallelCluster cannot update for the head node's bootstrap).
+NODE_SETTINGS_FILE=""
+
+fetch_node_settings() {
+  if [[ -z "${ARG_NODE_SETTINGS}" ]]; then
+    NODE_SETTINGS_FILE=""
+  elif [[ "${ARG_NODE_SETTINGS}" == s3://* ]]; then
+    if [[ "${DRY_RUN}" == 1 ]]; then
+      printf 'DRY-RUN: fetch %s\n' "${ARG_NODE_SETTINGS}"
+      return 0
+    fi
+    command -v aws >/dev/null || die "the AWS CLI is required to fetch ${ARG_NODE_SETTINGS}"
+    NODE_SETTINGS_FILE=$(mktemp "${TMPDIR:-/tmp}/node-settings.XXXXXX")
+    aws s3 cp --only-show-errors "${ARG_NODE_SETTINGS}" "${NODE_SETTINGS_FILE}" ||
+      die "cannot download ${ARG_NODE_SETTINGS} (does the node role allow s3:GetObject on it?)"
+  else
+    [[ -f "${ARG_NODE_SETTINGS}" ]] || die "--node-settings ${ARG_NODE_SETTINGS}: no such file"
+    NODE_SETTINGS_FILE=${ARG_NODE_SETTINGS}
+  fi
+  if [[ -n "${NODE_SETTINGS_FILE}" ]]; then
+    node_setting neuron_apt_key_record >/dev/null
+  fi
+}
+
+# The value of KEY in the node settings; nothing when it is absent or null, or when there are no settings. A
+# file that is not a JSON object, or a value that is not a string, number or boolean, stops the bootstrap.
+node_setting() {
+  local key=$1 out
+  [[ -n "${NODE_SETTINGS_FILE}" ]] || return 0
+  out=$(python3 - "${NODE_SETTINGS_FILE}" "${key}" <<'PY'
+import json
+import sys
+
+path, key = sys.argv[1:]
+try:
+    with open(path, encoding="utf-8") as handle:
+        settings = json.load(handle)
+except (OSError, ValueError) as error:
+    print(f"node settings {path}: not a readable JSON file ({error})")
+    sys.exit(3)
+if not isinstance(settings, dict):
+    print(f"node settings {path}: a JSON object is required")
+    sys.exit(3)
+value = settings.get(key)
+if isinstance(value, (dict, list)):
+    print(f"node settings {path}: {key} must be a string, a number or a boolean")
+    sys.exit(3)
+if value is not None:
+    print(str(value).lower() if isinstance(value, bool) else value, end="")
+PY
+  ) || die "${out}"
+  printf '%s' "${out}"
+}
+
+# ----------------------------------------------------------------------------- Neuron apt key
+
+# The Neuron apt key is downloaded over TLS from the repository it signs; nothing on a node says which key is the
+# right one. So the key is pinned on first use: the first Trainium node records the fingerprint of the
+# key it downloaded in the bucket, with a conditional write that fails when the record exists (the node role may
+# only write it that way, and may not delete it), and every later node refuses a key with another fingerprint. A
+# fingerprint in the environment file (node setting neuron_apt_key_fingerprint) takes precedence over the record.
+
+# The fingerprints of the primary keys in FILE (armored or binary), one a line, from gpg's machine-readable
+# listing: each pub record is followed by its fpr record.
+apt_key_fingerprints() {
+  local file=$1 home listing
+  command -v gpg >/dev/null || die "gpg is required to check the Neuron apt key"
+  home=$(mktemp -d)
+  listing=$(gpg --homedir "${home}" --batch --no-tty --show-keys --with-colons "${file}" 2>/dev/null) || listing=""
+  rm -rf -- "${home}"
+  awk -F: '$1 == "pub" { primary = 1; next } primary && $1 == "fpr" { print toupper($10); primary = 0 }' \
+    <<<"${listing}"
+}
+
+# The fingerprint recorded at the s3:// URI, or nothing when no node has recorded one yet.
+read_key_record() {
+  local uri=$1 file error
+  file=$(mktemp)
+  if error=$(aws s3 cp --only-show-errors "${uri}" "${file}" 2>&1); then
+    tr -d '[:space:]' <"${file}" | tr '[:lower:]' '[:upper:]'
+    rm -f -- "${file}"
+    return 0
+  fi
+  rm -f -- "${file}"
+  case "${error}" in
+    *"(404)"* | *NoSuchKey* | *"Not Found"*) return 0 ;;
+  esac
+  die "cannot read ${uri}: ${error//$'\n'/ }"
+}
+
+# Record FINGERPRINT at the s3:// URI unless an object is there already (If-None-Match: *, S3 answers 412).
+# Needs an AWS CLI from late 2024 or newer (--if-none-match); the node role allows no other write of the record.
+RECORD_RETRY_SECONDS=2
+record_key_fingerprint() {
+  local uri=$1 fingerprint=$2 path bucket body status=0
+  path=${uri#s3://}
+  bucket=${path%%/*}
+  body=$(mktemp)
+  printf '%s\n' "${fingerprint}" >"${body}"
+  aws s3api put-object --bucket "${bucket}" --key "${path#*/}" --body "${body}" --content-type text/plain \
+    --if-none-match '*' >/dev/null || status=$?
+  rm -f -- "${body}"
+  return "${status}"
+}
+
+# Stop, in one line, unless the key in FILE has the expected fingerprint (see above); before apt trusts it.
+check_neuron_apt_key() {
+  local file=$1 actual expected origin record error
+  local -a found
+  mapfile -t found < <(apt_key_fingerprints "${file}")
+  ((${#found[@]} == 1)) ||
+    die "the Neuron apt key from ${NEURON_APT_KEY_URL} holds ${#found[@]} OpenPGP keys, expected exactly one"
+  actual=${found[0]}
+  expected=$(node_setting neuron_apt_key_fingerprint) || exit 1
+  expected=${expected^^}
+  if [[ -n "${expected}" ]]; then
+    origin="neuron.apt_key_fingerprint of the environment file"
+  else
+    record=$(node_setting neuron_apt_key_record) || exit 1
+    if [[ -z "${record}" ]]; then
+      log "WARNING: the Neuron apt key (fingerprint ${actual}) is not pinned: no node settings name its" \
+        "fingerprint or where to record it"
+      return 0
+    fi
+    [[ "${record}" =~ ^s3://[a-z0-9.-]+/[A-Za-z0-9._/-]+$ ]] ||
+      die "node setting neuron_apt_key_record must be an s3:// URI, got '${record}'"
+    local attempt
+    for attempt in 1 2 3; do
+      expected=$(read_key_record "${record}") || exit 1
+      [[ -z "${expected}" ]] || break
+      if error=$(record_key_fingerprint "${record}" "${actual}" 2>&1); then
+        log "first use: recorded the Neuron apt key's fingerprint ${actual} at ${record}"
+        return 0
+      fi
+      # Another node recorded first (412 Precondition Failed) or is recording now (409
+      # ConditionalRequestConflict), or the write failed: what the record holds decides.
+      ((attempt == 3)) || sleep "${RECORD_RETRY_SECONDS}"
+    done
+    [[ -n "${expected}" ]] ||
+      die "cannot record the Neuron apt key's fingerprint at ${record}: ${error//$'\n'/ }"
+    origin="recorded at ${record} by the first node"
+  fi
+  [[ "${expected}" =~ ^[0-9A-F]{40}$ ]] ||
+    die "the expected Neuron apt key fingerprint (${origin}) is not 40 hexadecimal digits: '${expected}'"
+  [[ "${actual}" == "${expected}" ]] ||
+    die "refusing the Neuron apt key from ${NEURON_APT_KEY_URL}: its fingerprint is ${actual}, not ${expected}" \
+      "(${origin})"
+  log "the Neuron apt key's fingerprint ${actual} is the expected one (${origin})"
+}
+
 # ----------------------------------------------------------------------------- compute node
 
 configure_neuron_apt_repo() {
@@ -446,12 +621,14 @@ configure_neuron_apt_repo() {
   run install -d -m 0755 "$(dirname "${NEURON_APT_KEYRING}")"
   if [[ "${DRY_RUN}" == 1 ]]; then
     printf 'DRY-RUN: fetch %s into %s\n' "${NEURON_APT_KEY_URL}" "${NEURON_APT_KEYRING}"
+    printf 'DRY-RUN: check its fingerprint against the node setting or the first node'"'"'s record\n'
   else
     command -v curl >/dev/null || die "curl is required to fetch the Neuron apt key"
     local key
     key=$(mktemp)
     curl -fsSL --retry 5 --retry-delay 3 --max-time 60 -o "${key}" "${NEURON_APT_KEY_URL}" ||
       die "cannot download ${NEURON_APT_KEY_URL}"
+    check_neuron_apt_key "${key}"
     if grep -q -- '-----BEGIN PGP PUBLIC KEY BLOCK-----' "${key}"; then
       command -v gpg >/dev/null || die "gpg is required to convert the Neuron apt key"
       gpg --batch --yes --dearmor -o "${NEURON_APT_KEYRING}" "${key}"
@@ -867,12 +1044,27 @@ install_monitoring_units() {
   fi
 }
 
+# ----------------------------------------------------------------------------- --refresh
+
+# The head node's first run records its arguments (root only, on the head node), so `--refresh` can run a newer
+# script with exactly the cluster's arguments later: the head node runs OnNodeConfigured once, at creation.
+ARGUMENTS_FILE="${ARGUMENTS_FILE:-/var/lib/trainium-bootstrap/arguments}"
+
+record_arguments() {
+  install -d -m 0700 "$(dirname "${ARGUMENTS_FILE}")"
+  write_file "${ARGUMENTS_FILE}" "$(printf '%s\n' "$@")" 0600
+  log "recorded the arguments in ${ARGUMENTS_FILE} (for --refresh)"
+}
+
 # ----------------------------------------------------------------------------- main
 
 on_exit() {
   local status=$?
   if [[ "${ARG_REQUIREMENTS}" == s3://* && -n "${REQUIREMENTS_FILE}" ]]; then
     rm -f -- "${REQUIREMENTS_FILE}"
+  fi
+  if [[ "${ARG_NODE_SETTINGS}" == s3://* && -n "${NODE_SETTINGS_FILE}" ]]; then
+    rm -f -- "${NODE_SETTINGS_FILE}"
   fi
   if [[ -n "${BUILD_DIR_IN_PROGRESS}" && -d "${BUILD_DIR_IN_PROGRESS}" ]]; then
     log "removing the unfinished build ${BUILD_DIR_IN_PROGRESS}"
@@ -890,12 +1082,26 @@ main() {
   umask 022
   export HOME="${HOME:-/root}"
 
+  local -a recorded=()
+  if [[ "${1:-}" == --refresh ]]; then
+    shift
+    [[ -r "${ARGUMENTS_FILE}" ]] ||
+      usage_error "--refresh: no arguments recorded at ${ARGUMENTS_FILE} (a head node bootstrapped by this" \
+        "script's release records them at its first run)"
+    mapfile -t recorded <"${ARGUMENTS_FILE}"
+    log "--refresh: running with the arguments of the first run: ${recorded[*]} $*"
+    set -- "${recorded[@]}" "$@"
+  fi
   parse_args "$@"
   detect_os
   detect_node_type
   if [[ "${DRY_RUN}" != 1 ]]; then
     require_root
+    if [[ "${NODE_TYPE}" == head && "${ARG_ENV_ONLY}" != 1 && ${#recorded[@]} == 0 ]]; then
+      record_arguments "$@"
+    fi
   fi
+  fetch_node_settings
   local mode="installing"
   if [[ "${DRY_RUN}" == 1 ]]; then
     mode="dry run"

@@ -8,6 +8,7 @@ temporary files passed through OS_RELEASE_FILE, PCLUSTER_CFNCONFIG and HOSTS_FIL
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -403,6 +404,7 @@ def fake_head_node(tmp_path: Path, node_files):
     fake_python.chmod(0o755)
     shared_env = tmp_path / "fsx" / "envs" / f"neuron-{RELEASE}"
     env["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    env["ARGUMENTS_FILE"] = str(tmp_path / "state" / "arguments")  # a head node's run records its arguments
 
     def run_main(pip_step: str = ":", extra: str = "") -> subprocess.CompletedProcess[str]:
         snippet = textwrap.dedent(
@@ -804,3 +806,336 @@ def test_units_are_installed_and_started_and_a_failing_systemctl_is_only_a_warni
     failed = run_sourced(snippet.replace("cluster", "neuron"), env)
     assert failed.returncode == 0, failed.stderr
     assert "WARNING: could not enable trainium-monitor-neuron.service" in failed.stderr
+
+
+# ----------------------------------------------------------------------------- node settings, Neuron apt key
+
+RECORD_URI = "s3://results-bucket/trust/neuron-apt-key.fingerprint"
+GPG = shutil.which("gpg")
+needs_gpg = pytest.mark.skipif(GPG is None, reason="gpg is not on PATH: apt-get install gnupg (make tools)")
+
+# An `aws` stand-in for the S3 calls of the bootstrap: objects are files under S3_ROOT/<bucket>/<key>; a put with
+# If-None-Match fails with S3's 412 when the object exists, and one without it is refused as the node policy
+# refuses it. RACE_FILE, when present, is "another node" whose record lands just before this node's put.
+AWS_STAND_IN = """\
+import os, shutil, sys
+from pathlib import Path
+
+root = Path(os.environ["S3_ROOT"])
+with open(os.environ["AWS_CALLS"], "a") as log:
+    log.write(" ".join(sys.argv[1:]) + "\\n")
+args = sys.argv[1:]
+
+def option(name):
+    return args[args.index(name) + 1] if name in args else None
+
+def path_of(uri):
+    return root / uri.removeprefix("s3://")
+
+if args[:2] == ["s3", "cp"]:
+    source, target = [a for a in args[2:] if not a.startswith("--")]
+    if not path_of(source).is_file():
+        sys.exit(f"fatal error: An error occurred (404) when calling the HeadObject operation: Key does not exist")
+    shutil.copyfile(path_of(source), target)
+elif args[:2] == ["s3api", "put-object"]:
+    target = root / option("--bucket") / option("--key")
+    race = Path(os.environ.get("RACE_FILE", "/nonexistent"))
+    if race.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(race, target)
+    if option("--if-none-match") != "*":
+        sys.exit("An error occurred (AccessDenied) when calling the PutObject operation: Access Denied")
+    if target.exists():
+        sys.exit("An error occurred (PreconditionFailed) when calling the PutObject operation: At least one of "
+                 "the pre-conditions you specified did not hold")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(option("--body"), target)
+else:
+    sys.exit(f"aws stand-in: unexpected call {args}")
+"""
+
+
+@pytest.fixture(scope="module")
+def neuron_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """Two OpenPGP public keys made with real gpg (armored, as Neuron publishes its key), by fingerprint."""
+    if GPG is None:
+        pytest.skip("gpg is not on PATH: apt-get install gnupg (make tools)")
+    home = tmp_path_factory.mktemp("gnupg")
+    home.chmod(0o700)
+    keys: dict[str, tuple[Path, str]] = {}
+    for name in ("neuron", "impostor"):
+        email = f"{name}@example.com"
+
+        def gpg(*args: str) -> str:
+            done = subprocess.run(
+                [GPG, "--homedir", str(home), "--batch", *args], capture_output=True, text=True, check=True
+            )
+            return done.stdout
+
+        gpg("--passphrase", "", "--quick-gen-key", f"{name} <{email}>", "ed25519", "sign", "never")
+        listing = gpg("--with-colons", "--list-keys", email)
+        fingerprint = next(line.split(":")[9] for line in listing.splitlines() if line.startswith("fpr:"))
+        path = home / f"{name}.asc"
+        path.write_text(gpg("--armor", "--export", email))
+        keys[name] = (path, fingerprint)
+    return keys
+
+
+@pytest.fixture
+def trust_world(tmp_path: Path):
+    """A bucket of files behind an `aws` stand-in, a node settings file, and a way to run the bootstrap's
+    functions against them; returns (run, settings, s3 root, aws call log)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    aws = bin_dir / "aws"
+    aws.write_text(f"#!{sys.executable}\n{AWS_STAND_IN}")
+    aws.chmod(0o755)
+    s3_root = tmp_path / "s3"
+    (s3_root / "results-bucket").mkdir(parents=True)
+    calls = tmp_path / "aws-calls"
+    calls.touch()
+    settings = tmp_path / "node-settings.json"
+    settings.write_text(json.dumps({"neuron_apt_key_fingerprint": None, "neuron_apt_key_record": RECORD_URI}))
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "S3_ROOT": str(s3_root),
+        "AWS_CALLS": str(calls),
+        "RACE_FILE": str(tmp_path / "race"),
+    }
+
+    def run(snippet: str) -> subprocess.CompletedProcess[str]:
+        return run_sourced(f'NODE_SETTINGS_FILE="{settings}" RECORD_RETRY_SECONDS=0\n{snippet}', env)
+
+    return run, settings, s3_root, calls
+
+
+def record_path(s3_root: Path) -> Path:
+    return s3_root / RECORD_URI.removeprefix("s3://")
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "ERROR" in line]
+
+
+def test_node_settings_are_read_by_key(tmp_path: Path) -> None:
+    settings = tmp_path / "settings.json"
+    settings.write_text('{"text": "a b", "count": 3, "flag": true, "none": null}')
+    snippet = f'NODE_SETTINGS_FILE="{settings}"\n' + "".join(
+        f'printf "%s|" "$(node_setting {key})"\n' for key in ("text", "count", "flag", "none", "absent")
+    )
+    result = run_sourced(snippet)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "a b|3|true|||"
+    assert run_sourced('NODE_SETTINGS_FILE=""\nprintf "[%s]" "$(node_setting text)"').stdout == "[]"
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("{not json", "not a readable JSON file"),
+        ('["a list"]', "a JSON object is required"),
+        ('{"text": {"nested": 1}}', "text must be a string, a number or a boolean"),
+    ],
+)
+def test_bad_node_settings_stop_the_bootstrap_in_one_line(tmp_path: Path, content: str, problem: str) -> None:
+    settings = tmp_path / "settings.json"
+    settings.write_text(content)
+    result = run_sourced(f'NODE_SETTINGS_FILE="{settings}"\nvalue=$(node_setting text) || exit 1\necho reached')
+    assert result.returncode == 1 and "reached" not in result.stdout
+    (line,) = error_lines(result.stderr)
+    assert line.endswith(f"ERROR: node settings {settings}: {problem}") or f"{problem} (" in line, line
+
+
+def test_node_settings_from_s3_are_fetched_and_checked(trust_world, node_files) -> None:
+    run, settings, s3_root, calls = trust_world
+    uri = "s3://results-bucket/cluster/node-settings.json"
+    (s3_root / "results-bucket" / "cluster").mkdir()
+    shutil.copyfile(settings, s3_root / "results-bucket" / "cluster" / "node-settings.json")
+    result = run(f'ARG_NODE_SETTINGS="{uri}"\nfetch_node_settings\nnode_setting neuron_apt_key_record')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == RECORD_URI
+    assert calls.read_text().splitlines() == [f"s3 cp --only-show-errors {uri} " + calls.read_text().split()[-1]]
+    dry = run_script([*REQUIRED_ARGS, "--node-settings", uri, "--dry-run"], node_files(cfn_node_type="ComputeFleet"))
+    assert dry.returncode == 0, dry.stderr
+    assert f"DRY-RUN: fetch {uri}" in dry.stdout
+    bad = run_script([*REQUIRED_ARGS, "--node-settings", "settings.json", "--dry-run"], node_files())
+    assert bad.returncode == 2 and "--node-settings must be an absolute path or an s3:// URI" in bad.stderr
+
+
+@needs_gpg
+def test_first_use_records_the_fingerprint_with_a_conditional_write(trust_world, neuron_keys) -> None:
+    run, _, s3_root, calls = trust_world
+    key, fingerprint = neuron_keys["neuron"]
+    result = run(f'check_neuron_apt_key "{key}"')
+    assert result.returncode == 0, result.stderr
+    assert record_path(s3_root).read_text() == f"{fingerprint}\n"
+    assert f"first use: recorded the Neuron apt key's fingerprint {fingerprint} at {RECORD_URI}" in result.stderr
+    (put,) = [call for call in calls.read_text().splitlines() if "put-object" in call]
+    assert "--bucket results-bucket --key trust/neuron-apt-key.fingerprint " in put
+    assert put.endswith("--if-none-match *")
+
+
+@needs_gpg
+def test_the_same_key_passes_and_another_is_refused_in_one_line(trust_world, neuron_keys) -> None:
+    run, _, s3_root, calls = trust_world
+    key, fingerprint = neuron_keys["neuron"]
+    other, other_fingerprint = neuron_keys["impostor"]
+    record_path(s3_root).parent.mkdir(parents=True)
+    record_path(s3_root).write_text(f"{fingerprint}\n")
+    same = run(f'check_neuron_apt_key "{key}"')
+    assert same.returncode == 0, same.stderr
+    assert f"fingerprint {fingerprint} is the expected one (recorded at {RECORD_URI}" in same.stderr
+    refused = run(f'check_neuron_apt_key "{other}"\necho trusted')
+    assert refused.returncode == 1 and "trusted" not in refused.stdout
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.endswith(
+        "ERROR: refusing the Neuron apt key from https://apt.repos.neuron.amazonaws.com/GPG-PUB-KEY-AMAZON-AWS-"
+        f"NEURON.PUB: its fingerprint is {other_fingerprint}, not {fingerprint} (recorded at {RECORD_URI} by the "
+        "first node)"
+    ), line
+    assert "put-object" not in calls.read_text(), "a record exists: nobody writes it again"
+    assert record_path(s3_root).read_text() == f"{fingerprint}\n"
+
+
+@needs_gpg
+def test_the_environment_fingerprint_takes_precedence_over_the_record(trust_world, neuron_keys) -> None:
+    run, settings, s3_root, calls = trust_world
+    key, fingerprint = neuron_keys["neuron"]
+    rotated, rotated_fingerprint = neuron_keys["impostor"]  # say Neuron rotated its key: the reviewer sets it
+    record_path(s3_root).parent.mkdir(parents=True)
+    record_path(s3_root).write_text(f"{fingerprint}\n")
+    settings.write_text(
+        json.dumps({"neuron_apt_key_fingerprint": rotated_fingerprint.lower(), "neuron_apt_key_record": RECORD_URI})
+    )
+    accepted = run(f'check_neuron_apt_key "{rotated}"')
+    assert accepted.returncode == 0, accepted.stderr
+    assert "(neuron.apt_key_fingerprint of the environment file)" in accepted.stderr
+    assert calls.read_text() == "", "with a fingerprint set, the record is neither read nor written"
+    refused = run(f'check_neuron_apt_key "{key}"')
+    assert refused.returncode == 1
+    (line,) = refused.stderr.strip().splitlines()
+    assert f"its fingerprint is {fingerprint}, not {rotated_fingerprint} (neuron.apt_key_fingerprint of" in line
+
+
+@needs_gpg
+@pytest.mark.parametrize("winner", ["neuron", "impostor"])
+def test_a_lost_race_to_record_rereads_and_compares(trust_world, neuron_keys, tmp_path: Path, winner: str) -> None:
+    """No record when this node looked; another node's lands before this node's conditional write, which S3
+    refuses (412): the other node's record decides."""
+    run, _, s3_root, calls = trust_world
+    key, fingerprint = neuron_keys["neuron"]
+    (tmp_path / "race").write_text(f"{neuron_keys[winner][1]}\n")
+    result = run(f'check_neuron_apt_key "{key}"')
+    assert [call.split()[:2] for call in calls.read_text().splitlines()] == [
+        ["s3", "cp"],
+        ["s3api", "put-object"],
+        ["s3", "cp"],
+    ]
+    assert record_path(s3_root).read_text() == f"{neuron_keys[winner][1]}\n", "the first record stays"
+    if winner == "neuron":
+        assert result.returncode == 0, result.stderr
+        assert "first use" not in result.stderr
+    else:
+        assert result.returncode == 1
+        (line,) = result.stderr.strip().splitlines()
+        assert f"its fingerprint is {fingerprint}, not {neuron_keys['impostor'][1]}" in line
+
+
+@needs_gpg
+def test_a_record_that_can_be_neither_written_nor_read_stops_the_bootstrap(trust_world, neuron_keys) -> None:
+    run, _, s3_root, calls = trust_world
+    key, _ = neuron_keys["neuron"]
+    result = run(
+        f'record_key_fingerprint() {{ echo "An error occurred (AccessDenied)" >&2; return 1; }}\n'
+        f'check_neuron_apt_key "{key}"'
+    )
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.endswith(
+        f"ERROR: cannot record the Neuron apt key's fingerprint at {RECORD_URI}: An error occurred (AccessDenied)"
+    ), line
+    assert not record_path(s3_root).exists()
+    assert [call.split()[:2] for call in calls.read_text().splitlines()] == [["s3", "cp"]] * 3, "three tries"
+
+
+@needs_gpg
+def test_a_key_file_with_two_keys_is_refused(trust_world, neuron_keys, tmp_path: Path) -> None:
+    run, _, _, _ = trust_world
+    both = tmp_path / "both.asc"
+    both.write_text(neuron_keys["neuron"][0].read_text() + neuron_keys["impostor"][0].read_text())
+    result = run(f'check_neuron_apt_key "{both}"')
+    assert result.returncode == 1
+    assert "holds 2 OpenPGP keys, expected exactly one" in result.stderr
+
+
+@needs_gpg
+def test_apt_trusts_the_key_only_after_the_check(trust_world, neuron_keys, tmp_path: Path) -> None:
+    """The whole repository step with `curl` serving a key: a refused key leaves no keyring and no source list."""
+    run, _, s3_root, _ = trust_world
+    served = tmp_path / "served.asc"
+    curl = tmp_path / "bin" / "curl"
+    curl.write_text(f'#!/bin/sh\nwhile [ "$1" != -o ]; do shift; done\ncp "{served}" "$2"\n')
+    curl.chmod(0o755)
+    keyring = tmp_path / "keyrings" / "aws-neuron.gpg"
+    source_list = tmp_path / "neuron.list"
+    snippet = (
+        f'NEURON_APT_KEYRING="{keyring}" NEURON_APT_SOURCE="{source_list}" OS_CODENAME=jammy\nconfigure_neuron_apt_repo'
+    )
+    key, fingerprint = neuron_keys["neuron"]
+    record_path(s3_root).parent.mkdir(parents=True)
+    record_path(s3_root).write_text(f"{fingerprint}\n")
+    shutil.copyfile(neuron_keys["impostor"][0], served)
+    refused = run(snippet)
+    assert refused.returncode == 1 and "refusing the Neuron apt key" in refused.stderr
+    assert not keyring.exists() and not source_list.exists()
+    shutil.copyfile(key, served)
+    accepted = run(snippet)
+    assert accepted.returncode == 0, accepted.stderr
+    assert source_list.read_text() == f"deb [signed-by={keyring}] https://apt.repos.neuron.amazonaws.com jammy main\n"
+    listing = subprocess.run(
+        [GPG or "gpg", "--show-keys", "--with-colons", str(keyring)], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"fpr:::::::::{fingerprint}:" in listing, "the keyring apt reads holds the checked key"
+
+
+# ----------------------------------------------------------------------------- --refresh
+
+
+def test_refresh_reruns_the_head_node_with_its_first_arguments(fake_head_node, tmp_path: Path) -> None:
+    """The head node runs OnNodeConfigured once; a newer script from the fixed key runs again through SSM with
+    `--refresh`, with exactly the arguments ParallelCluster gave the first run."""
+    shared_env, run_main, build_count = fake_head_node
+    first = run_main(extra="--pip-index https://mirror.example/simple")
+    assert first.returncode == 0, first.stderr
+    recorded = tmp_path / "state" / "arguments"
+    assert recorded.read_text().splitlines() == [
+        "--neuron-release",
+        RELEASE,
+        "--shared-env",
+        str(shared_env),
+        "--pip-index",
+        "https://mirror.example/simple",
+    ]
+    assert oct(recorded.stat().st_mode & 0o777) == "0o600" and oct(recorded.parent.stat().st_mode & 0o777) == "0o700"
+    env = {"ARGUMENTS_FILE": str(recorded), "OS_RELEASE_FILE": str(tmp_path / "os-release")}
+    again = run_sourced("require_root() { :; }\nmain --refresh --dry-run --node-type head", env)
+    assert again.returncode == 0, again.stderr
+    assert "--refresh: running with the arguments of the first run" in again.stderr
+    assert "DRY-RUN: env DEBIAN_FRONTEND=noninteractive" in again.stdout  # the whole head node bootstrap again
+    assert "shared venv " + str(shared_env) + " is already complete" in again.stderr and build_count() == 1
+    assert recorded.read_text().count("\n") == 6, "a refresh records nothing"
+
+
+def test_refresh_needs_recorded_arguments_and_comes_first(node_files, tmp_path: Path) -> None:
+    env = {**node_files(), "ARGUMENTS_FILE": str(tmp_path / "absent")}
+    missing = run_script(["--refresh"], env)
+    assert missing.returncode == 2
+    assert f"--refresh: no arguments recorded at {tmp_path / 'absent'}" in missing.stderr
+    late = run_script([*REQUIRED_ARGS, "--refresh"], env)
+    assert late.returncode == 2 and "--refresh must be the first argument" in late.stderr
+
+
+def test_dry_runs_and_other_node_types_record_no_arguments(node_files, tmp_path: Path) -> None:
+    env = {**node_files(cfn_node_type="HeadNode"), "ARGUMENTS_FILE": str(tmp_path / "state" / "arguments")}
+    assert run_script([*REQUIRED_ARGS, "--dry-run"], env).returncode == 0
+    assert not (tmp_path / "state").exists()

@@ -81,13 +81,13 @@ RULES = {
         {"compute.gpus": 8},
         "environments-under-test/candidate.yaml: compute.gpus: unknown key; allowed keys here: "
         "instance_type, queue_name, min_count, max_count, efa, placement_group, capacity, "
-        "root_volume_gib, scaledown_idle_minutes",
+        "root_volume_gib, scaledown_idle_minutes, queue_update_strategy",
     ),
     "unknown top-level key": (
         {"vpc": {"cidr": "10.0.0.0/16"}},
         "environments-under-test/candidate.yaml: vpc: unknown key; allowed keys here: region, availability_zone, "
         "cluster_name, os, network, head_node, compute, cpu_queue, storage, logging, monitoring, budget, pipeline, "
-        "tags",
+        "neuron, tags",
     ),
     "pipeline recipe not bundled": (
         {"pipeline.recipe": "gpt-oss"},
@@ -378,6 +378,17 @@ RULES = {
         {"monitoring.stall_minutes": 1441},
         "environments-under-test/candidate.yaml: monitoring.stall_minutes: 1441 is not allowed; "
         "allowed: 5 to 1440 minutes",
+    ),
+    "queue update strategy ParallelCluster has but a deploy cannot use": (
+        {"compute.queue_update_strategy": "COMPUTE_FLEET_STOP"},
+        "environments-under-test/candidate.yaml: compute.queue_update_strategy: 'COMPUTE_FLEET_STOP' is not "
+        "allowed; allowed: DRAIN (running jobs finish first) or TERMINATE (running nodes are replaced)",
+    ),
+    "Neuron apt key fingerprint as gpg shows it to people": (
+        {"neuron.apt_key_fingerprint": "0123 4567 89AB CDEF 0123  4567 89AB CDEF 0123 4567"},
+        "environments-under-test/candidate.yaml: neuron.apt_key_fingerprint: '0123 4567 89AB CDEF 0123  4567 89AB "
+        "CDEF 0123 4567' is not allowed; allowed: the key's fingerprint: 40 hexadecimal digits without spaces, as "
+        "gpg prints it",
     ),
     "stop at a fractional percent": (
         {"budget.monthly_usd": 2500, "budget.stop_fleet_at_percent": 50.5},

@@ -315,10 +315,12 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
         neuron_release=release,
         shared_env=shared_env_path(config, release),
         requirements_uri="s3://b/cluster/r.txt",
+        node_settings_uri="s3://b/cluster/node-settings.json",
         health=node_health(config),
         environment_name=config.name,
     )
-    # The requirement set by its stable key, never by content: a new lock must not change the configuration.
+    # The requirement set and the node settings by their stable keys, never by content: a new lock or setting
+    # must not change the configuration.
     assert arguments == (
         "--neuron-release",
         release,
@@ -326,6 +328,8 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
         f"/fsx/envs/neuron-{release}",
         "--requirements",
         "s3://b/cluster/r.txt",
+        "--node-settings",
+        "s3://b/cluster/node-settings.json",
         # What a healthy trn1.32xlarge shows: checked at bootstrap and before each job of the queue.
         "--trainium-partition",
         "compute1",

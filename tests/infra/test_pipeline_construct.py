@@ -173,15 +173,16 @@ def test_upload_is_exactly_the_shipped_files(default_env: Synthesized) -> None:
     assert all((staged / path).read_bytes() == (ROOT / path).read_bytes() for path in uploaded)
 
 
-def test_node_files_upload_is_the_lock_alone(default_env: Synthesized) -> None:
+def test_node_files_upload_is_the_bootstrap_the_lock_and_the_node_settings(default_env: Synthesized) -> None:
     deployments = default_env.resources_of_type("Custom::CDKBucketDeployment")
     (deployment,) = (d for name, d in deployments.items() if name.startswith("ClusterNodeFiles"))
-    (key,) = deployment["Properties"]["SourceObjectKeys"]
-    staged = default_env.outdir / f"asset.{key.removesuffix('.zip')}"
-    assert [p.name for p in staged.iterdir()] == ["cluster-requirements.txt"]
-    assert (staged / "cluster-requirements.txt").read_bytes() == (
-        ROOT / "assets/node/cluster-requirements.txt"
-    ).read_bytes()
+    files, settings = deployment["Properties"]["SourceObjectKeys"]
+    staged = default_env.outdir / f"asset.{files.removesuffix('.zip')}"
+    assert sorted(p.name for p in staged.iterdir()) == ["cluster-requirements.txt", "on_node_configured.sh"]
+    for name in ("cluster-requirements.txt", "on_node_configured.sh"):
+        assert (staged / name).read_bytes() == (ROOT / "assets/node" / name).read_bytes()
+    staged_settings = default_env.outdir / f"asset.{settings.removesuffix('.zip')}"
+    assert [p.name for p in staged_settings.iterdir()] == ["node-settings.json"]
 
 
 def test_exclude_patterns_select_the_same_files_for_cdk_and_the_source_hash(tmp_path: Path) -> None:

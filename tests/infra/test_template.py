@@ -279,9 +279,10 @@ def test_cluster_waits_for_the_nat_route(default_env: Synthesized) -> None:
     assert any("privateSubnet1DefaultRoute" in name for name in depends_on)
 
 
-def test_scheduling_scales_to_zero_and_terminates_on_update(default_env: Synthesized) -> None:
+def test_scheduling_scales_to_zero_and_drains_on_update(default_env: Synthesized) -> None:
     scheduling = cluster_configuration(default_env)["Scheduling"]
-    assert scheduling["SlurmSettings"] == {"ScaledownIdletime": 10, "QueueUpdateStrategy": "TERMINATE"}
+    # DRAIN (compute.queue_update_strategy): a deploy that changes a queue lets running jobs finish.
+    assert scheduling["SlurmSettings"] == {"ScaledownIdletime": 10, "QueueUpdateStrategy": "DRAIN"}
     queue, cpu = scheduling["SlurmQueues"]
     (resource,) = queue["ComputeResources"]
     assert resource == {
@@ -316,19 +317,21 @@ def test_head_node_is_private_and_reached_through_ssm(default_env: Synthesized) 
     assert {"Policy": "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"} in head["Iam"]["AdditionalIamPolicies"]
 
 
-def test_bootstrap_script_is_an_asset_run_on_every_node(default_env: Synthesized) -> None:
+def test_bootstrap_script_at_a_fixed_key_runs_on_every_node(default_env: Synthesized) -> None:
     configuration = cluster_configuration(default_env)
     head_action = configuration["HeadNode"]["CustomActions"]["OnNodeConfigured"]
     queue_action = configuration["Scheduling"]["SlurmQueues"][0]["CustomActions"]["OnNodeConfigured"]
     assert head_action == queue_action
-    assert head_action["Script"]["Fn::Sub"].startswith("s3://cdk-hnb659fds-assets-${AWS::AccountId}-us-west-2/")
-    assert head_action["Script"]["Fn::Sub"].endswith(".sh")
+    bucket = {"Ref": logical_id(default_env, "AWS::S3::Bucket")}
+    # Fixed keys, never content: a new script is a new object there, not a cluster update (tests/infra/test_day2.py).
+    assert head_action["Script"] == {"Fn::Join": ["", ["s3://", bucket, "/cluster/on_node_configured.sh"]]}
     assert head_action["Args"][:2] == ["--neuron-release", head_action["Args"][1]]
     assert head_action["Args"][2:4] == ["--shared-env", f"/fsx/envs/neuron-{head_action['Args'][1]}"]
     assert head_action["Args"][4] == "--requirements"
-    bucket = {"Ref": logical_id(default_env, "AWS::S3::Bucket")}
     assert head_action["Args"][5] == {"Fn::Join": ["", ["s3://", bucket, "/cluster/cluster-requirements.txt"]]}
-    assert head_action["Args"][6:] == [
+    assert head_action["Args"][6] == "--node-settings"
+    assert head_action["Args"][7] == {"Fn::Join": ["", ["s3://", bucket, "/cluster/node-settings.json"]]}
+    assert head_action["Args"][8:] == [
         "--trainium-partition",
         "compute1",
         "--neuron-devices",
@@ -344,11 +347,13 @@ def node_policy(env: Synthesized, which: str) -> dict[str, Any]:
     return env.template["Resources"][logical_id_of_policy(env, which)]["Properties"]
 
 
-def grants(policy: dict[str, Any]) -> set[tuple[str, str, str]]:
-    """(action, resource, condition) triples of a policy, however CDK merged its statements."""
+def grants(policy: dict[str, Any], effect: str = "Allow") -> set[tuple[str, str, str]]:
+    """(action, resource, condition) triples of a policy's statements of `effect`, however CDK merged them."""
     triples = set()
     for statement in policy["PolicyDocument"]["Statement"]:
-        assert statement["Effect"] == "Allow"
+        assert statement["Effect"] in ("Allow", "Deny")
+        if statement["Effect"] != effect:
+            continue
         actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
         resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
         condition = json.dumps(statement.get("Condition"), sort_keys=True)
@@ -377,25 +382,29 @@ def test_node_policies_are_scoped_to_prefixes_of_the_bucket(
         return json.dumps({"Fn::Join": ["", [bucket, f"/{prefix}*"]]}, sort_keys=True)
 
     writable = under(write_prefix)
-    script = cluster_configuration(default_env)["HeadNode"]["CustomActions"]["OnNodeConfigured"]["Script"]["Fn::Sub"]
-    script_arn = {
-        "Fn::Sub": [
-            "arn:${AWS::Partition}:s3:::${Bucket}/${Key}",
-            {
-                "Bucket": {"Fn::Sub": "cdk-hnb659fds-assets-${AWS::AccountId}-us-west-2"},
-                "Key": script.rsplit("/", 1)[1],
-            },
-        ]
-    }
+    # The Trainium nodes' record of the Neuron apt key: read, and created only by a conditional write.
+    record = json.dumps({"Fn::Join": ["", [bucket, "/trust/neuron-apt-key.fingerprint"]]}, sort_keys=True)
+    conditional = json.dumps({"Null": {"s3:if-none-match": "false"}}, sort_keys=True)
+    unconditional = json.dumps({"Null": {"s3:if-none-match": "true"}}, sort_keys=True)
+    record_grants = {("s3:GetObject", record, "null"), ("s3:PutObject", record, conditional)}
     namespace = json.dumps({"StringEquals": {"cloudwatch:namespace": "Trainium/default"}}, sort_keys=True)
     assert grants(policy) == {
         ("s3:ListBucket", json.dumps(bucket, sort_keys=True), "null"),
         *(("s3:GetObject", under(prefix), "null") for prefix in read_prefixes),
         ("s3:PutObject", writable, "null"),
         ("s3:DeleteObject", writable, "null"),
-        ("s3:GetObject", json.dumps(script_arn, sort_keys=True), "null"),
         ("cloudwatch:PutMetricData", json.dumps("*"), namespace),
+        *(record_grants if which == "Compute" else ()),
     }
+    assert grants(policy, "Deny") == (
+        {
+            ("s3:PutObject", record, unconditional),
+            ("s3:DeleteObject", record, "null"),
+            ("s3:DeleteObjectVersion", record, "null"),
+        }
+        if which == "Compute"
+        else set()
+    )
 
 
 def test_the_export_stage_writes_where_compute_nodes_may(default_env: Synthesized) -> None:
