@@ -229,7 +229,12 @@ class Cluster(Construct):
             ),
             iam.PolicyStatement(
                 actions=["ssm:SendCommand"],
-                resources=[f"arn:{Aws.PARTITION}:ssm:{Aws.REGION}::document/AWS-RunShellScript"],
+                resources=[
+                    f"arn:{Aws.PARTITION}:ssm:{Aws.REGION}::document/AWS-RunShellScript",
+                    # The command's output goes to the results bucket: SendCommand authorizes that bucket too
+                    # (its `bucket` resource type in the Service Authorization Reference).
+                    self.node_files_bucket.bucket_arn,
+                ],
             ),
             # These two have no resource-level permissions (IAM Service Authorization Reference).
             iam.PolicyStatement(

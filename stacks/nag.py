@@ -88,8 +88,9 @@ def pipeline_acknowledgements(region: str) -> tuple[Acknowledgement, ...]:
         "carries no data, and the handlers log to their own log groups."
     )
     handler = {
-        "Resource::*": "ssm:GetCommandInvocation and ssm:DescribeInstanceInformation have no resource-level "
-        "permissions; they read only the status of this trigger's commands and of the head node.",
+        "Resource::*": "ssm:GetCommandInvocation, ssm:DescribeInstanceInformation and "
+        "fsx:DescribeDataRepositoryTasks have no resource-level permissions (Service Authorization Reference); "
+        "they read only the status of this trigger's commands, of the head node and of its export tasks.",
         "Resource::<StorageResultsB2A4FB2E.Arn>/pipeline/ssm-output/*": "reads the output of its own SSM "
         "commands under one prefix of this environment's bucket (key names are per command).",
         "Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:<AWS::AccountId>:instance/*": "ssm:SendCommand is "

@@ -152,5 +152,6 @@ class Storage(Construct):
                 actions=["fsx:CreateDataRepositoryTask"],
                 resources=[f"{fsx_arn}:file-system/{self.file_system.file_system_id}", tasks],
             ),
-            iam.PolicyStatement(actions=["fsx:DescribeDataRepositoryTasks"], resources=[tasks]),
+            # No resource-level permissions (Service Authorization Reference): granted on a task ARN, it is denied.
+            iam.PolicyStatement(actions=["fsx:DescribeDataRepositoryTasks"], resources=["*"]),
         ]
