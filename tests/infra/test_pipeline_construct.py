@@ -111,12 +111,17 @@ def test_handler_role_reaches_only_this_head_node_bucket_prefix_and_file_system(
     assert "instance/*" in json.dumps(send[0]["Resource"])
     document = [s for s in statements if s["Action"] == "ssm:SendCommand" and "Condition" not in s]
     assert "document/AWS-RunShellScript" in json.dumps(document[0]["Resource"])
+    # The command's output bucket is a resource SendCommand authorizes too.
+    assert {"Fn::GetAtt": [logical_id(default_env, "AWS::S3::Bucket"), "Arn"]} in document[0]["Resource"]
     (s3,) = [s for s in statements if s["Action"] == "s3:GetObject"]
     assert "/pipeline/ssm-output/*" in json.dumps(s3["Resource"])
     (export,) = [s for s in statements if s["Action"] == "fsx:CreateDataRepositoryTask"]
     assert logical_id(default_env, "AWS::FSx::FileSystem") in json.dumps(export["Resource"])
     unscoped = [s["Action"] for s in statements if s["Resource"] == "*"]
-    assert unscoped == [["ssm:DescribeInstanceInformation", "ssm:GetCommandInvocation"]]
+    # The three have no resource-level permissions (Service Authorization Reference; tests/infra/test_iam_reference.py).
+    assert unscoped == [
+        ["fsx:DescribeDataRepositoryTasks", "ssm:DescribeInstanceInformation", "ssm:GetCommandInvocation"]
+    ]
 
 
 def test_run_outputs_are_published(default_env: Synthesized) -> None:
