@@ -238,7 +238,8 @@ class Cluster(Construct):
             ),
             # These two have no resource-level permissions (IAM Service Authorization Reference).
             iam.PolicyStatement(
-                actions=["ssm:GetCommandInvocation", "ssm:DescribeInstanceInformation"], resources=["*"]
+                actions=["ssm:GetCommandInvocation", "ssm:DescribeInstanceInformation", "ssm:ListCommands"],
+                resources=["*"],
             ),
         ]
 

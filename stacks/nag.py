@@ -32,14 +32,16 @@ NODE_OBJECT_ACCESS = {
     "Cluster/HeadNodePolicy": {
         "pipeline/source/": "reads the training code this environment's runs were submitted with (one folder "
         "per source hash, not known at deploy time)",
-        "cluster/": "reads the node files of this environment (the bootstrap script, the locked requirement set and the node settings) while bootstrapping",
+        "cluster/": "reads the node files of this environment (the bootstrap script, the locked requirement set "
+        "and the node settings) while bootstrapping",
         "results/": "reads each run's results under results/<run id>/ of this environment's bucket; run ids are "
         "not known at deploy time",
         "pipeline/ssm-output/": "SSM writes the output of this environment's pipeline commands with the head "
         "node's role; the command ids in the keys are not known at deploy time",
     },
     "Cluster/ComputeNodePolicy": {
-        "cluster/": "reads the node files of this environment (the bootstrap script, the locked requirement set and the node settings)",
+        "cluster/": "reads the node files of this environment (the bootstrap script, the locked requirement set "
+        "and the node settings)",
         "results/": "the export stage writes (and reads back) each run's results under results/<run id>/ of "
         "this environment's bucket; run ids are not known at deploy time",
     },

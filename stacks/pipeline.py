@@ -22,6 +22,7 @@ from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_s3_deployment as s3_deployment
+from aws_cdk import aws_sns as sns
 from aws_cdk import aws_stepfunctions as sfn
 from aws_cdk import custom_resources as cr
 from constructs import Construct
@@ -113,6 +114,7 @@ class Pipeline(Construct):
         head_node_instance_id: str,
         deployment_logs: logs.ILogGroup,
         handler_access: Sequence[iam.PolicyStatement],
+        notice_topic: sns.ITopic,
     ) -> None:
         super().__init__(scope, construct_id)
         digest = source_hash()
@@ -191,6 +193,8 @@ class Pipeline(Construct):
                 "OutputBucket": bucket.bucket_name,
                 "OutputPrefix": SSM_OUTPUT_PREFIX,
                 "TimeoutSeconds": str(int(timeout.to_seconds())),
+                # A run that cannot start is a notice here, never a failed deploy (see the handler).
+                "NoticeTopicArn": notice_topic.topic_arn,
             },
         )
         # The code must be in the bucket before the head node fetches it.
@@ -199,6 +203,7 @@ class Pipeline(Construct):
         self.run_id = self.resource.get_att_string("RunId")
         self.run_dir = self.resource.get_att_string("RunDir")
         self.job_ids = self.resource.get_att_string("JobIds")
+        self.run_status = self.resource.get_att_string("RunStatus")
 
     def _accept_redundant_role_dependencies(self) -> None:
         """Scope cfn-lint's W3005 exception to the Lambda functions and the state machine built here and

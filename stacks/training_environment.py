@@ -183,7 +183,9 @@ class TrainingEnvironmentStack(Stack):
                 *self.storage.results_read_access(SSM_OUTPUT_PREFIX),
                 *self.storage.export_access(),
             ],
+            notice_topic=self.notifications.topic,
         )
+        self.notifications.grant_publish(self.pipeline.handler_role)
         self.storage.protect_executed_code(
             code_prefixes=(SOURCE_PREFIX, NODE_FILES_PREFIX),
             code_writer=self.pipeline.source.handler_role,
@@ -227,3 +229,9 @@ class TrainingEnvironmentStack(Stack):
         )
         CfnOutput(self, "AlarmTopicArn", value=self.notifications.topic.topic_arn, description="Alarms and budget")
         CfnOutput(self, "PipelineJobIds", value=self.pipeline.job_ids, description="Slurm job id per stage")
+        CfnOutput(
+            self,
+            "PipelineRunStatus",
+            value=self.pipeline.run_status,
+            description="submitted, no-run, submitted-earlier, or not-started: <why> (the environment is kept)",
+        )

@@ -318,8 +318,10 @@ def test_create_submits_on_the_head_node(aws: None, stubbers: Callable[[str], tu
             "CommandId": command["CommandId"],
             "Phase": "submit",
             "StartedAt": str(int(NOW)),
+            "RunStatus": "submitting",
         },
     }
+    assert command["Comment"] == f"submit pipeline run {run_id} at {int(NOW)}"
     assert command["DocumentName"] == "AWS-RunShellScript"
     assert command["InstanceIds"] == [HEAD_NODE]
     assert command["OutputS3BucketName"] == OUTPUT_BUCKET
@@ -351,6 +353,7 @@ def test_start_run_false_does_nothing() -> None:
         "CommandId": "",
         "Phase": "none",
         "StartedAt": "",
+        "RunStatus": "no-run",
     }
     assert handler.is_complete(poll_event(event, result), None, clients=no_clients, now=lambda: NOW) == {
         "IsComplete": True
@@ -421,25 +424,117 @@ def test_update_from_start_run_true_to_false_does_nothing() -> None:
     assert result["Data"]["Phase"] == "none" and result["Data"]["RunId"] == ""
 
 
+def test_first_deploy_waits_for_the_head_node_to_come_online_then_submits_once(
+    aws: None, stubbers: Callable[[str], tuple[Any, Stubber]]
+) -> None:
+    """A new cluster's head node registers with SSM minutes after the cluster reports it: the first deploy with
+    start_run true waits for it through the polls, sends one submit command, and finds it again by its comment."""
+    props = properties()
+    run_id = expected_run_id(props)
+    stubbed, stubber = stubbers("ssm")
+    ssm = Routed(
+        boto3.client("ssm", region_name=REGION), stubbed, {"describe_instance_information", "get_command_invocation"}
+    )
+    stubber.add_response("describe_instance_information", {"InstanceInformationList": []}, DESCRIBE_HEAD_NODE)
+    event = cfn_event("Create", props)
+    result = handler.on_event(event, None, clients=clients(ssm=ssm), now=lambda: NOW)
+    assert (result["Data"]["Phase"], result["Data"]["CommandId"], result["Data"]["RunStatus"]) == (
+        "submit",
+        "",
+        "submitting",
+    )
+    assert sent_commands() == []
+
+    stubber.add_response("describe_instance_information", instance_information("ConnectionLost"), DESCRIBE_HEAD_NODE)
+    polled = handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm), now=lambda: NOW + 60)
+    assert polled == {"IsComplete": False} and sent_commands() == []
+
+    stubber.add_response("describe_instance_information", instance_information(), DESCRIBE_HEAD_NODE)
+    stubber.add_response("get_command_invocation", invocation(COMMAND, "InProgress"))
+    polled = handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm), now=lambda: NOW + 120)
+    assert polled == {"IsComplete": False}
+    (command,) = sent_commands()
+    assert command["Comment"] == f"submit pipeline run {run_id} at {int(NOW)}"
+    assert command["TimeoutSeconds"] == 1800 - 120  # what remains of the bound
+
+    stdout = f"{handler.MARKER}{json.dumps(RUN_RECORD | {'run_id': run_id})}\n"
+    stubber.add_response(
+        "get_command_invocation",
+        invocation(command["CommandId"], "Success", stdout, code=0),
+        {"CommandId": command["CommandId"], "InstanceId": HEAD_NODE},
+    )
+    s3, _ = stubbers("s3")  # the record is inline: nothing read from S3
+    polled = handler.is_complete(
+        poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW + 180
+    )
+    assert polled["IsComplete"] is True
+    assert (polled["Data"]["RunId"], polled["Data"]["RunStatus"]) == (run_id, "submitted")
+    assert len(sent_commands()) == 1  # found again, not sent twice
+
+
+TOPIC = "arn:aws:sns:us-west-2:123456789012:trainium-default-alarms"
+
+
 @pytest.mark.parametrize(
     ("response", "why"),
     [
-        ({"InstanceInformationList": []}, "no SSM agent has registered it"),
+        (
+            {"InstanceInformationList": []},
+            "no SSM agent has registered it: is the instance running, with AmazonSSMManagedInstanceCore?",
+        ),
         (instance_information("ConnectionLost"), "SSM agent ping status ConnectionLost"),
     ],
 )
-def test_head_node_not_managed_by_ssm_fails_at_once(
-    stubbers: Callable[[str], tuple[Any, Stubber]], response: dict[str, Any], why: str
+def test_a_head_node_never_online_completes_without_a_run_and_says_why(
+    aws: None, stubbers: Callable[[str], tuple[Any, Stubber]], response: dict[str, Any], why: str
 ) -> None:
-    ssm, stubber = stubbers("ssm")
-    stubber.add_response("describe_instance_information", response, DESCRIBE_HEAD_NODE)  # and no SendCommand
+    """Failing here would roll back the cluster, the file system and the network of a first deploy."""
+    props = properties(NoticeTopicArn=TOPIC)
+    stubbed, stubber = stubbers("ssm")
+    ssm = Routed(boto3.client("ssm", region_name=REGION), stubbed, {"describe_instance_information"})
+    stubber.add_response("describe_instance_information", response, DESCRIBE_HEAD_NODE)
+    event = cfn_event("Create", props)
+    result = handler.on_event(event, None, clients=clients(ssm=ssm), now=lambda: NOW)
+    stubber.add_response("describe_instance_information", response, DESCRIBE_HEAD_NODE)
+    reason = f"head node {HEAD_NODE} did not come online in SSM within 1800 s ({why}); the run was not submitted"
+    sns, sns_stubber = stubbers("sns")
+    sns_stubber.add_response(
+        "publish",
+        {"MessageId": "1"},
+        {
+            "TopicArn": TOPIC,
+            "Subject": "Training run of default not started",
+            "Message": "The deploy of environment default could not start its training run: "
+            f"{reason}\n\n{handler.RETRY_HINT}",
+        },
+    )
 
-    with pytest.raises(RuntimeError) as raised:
-        handler.on_event(cfn_event("Create", properties()), None, clients=clients(ssm=ssm), now=lambda: NOW)
+    polled = handler.is_complete(
+        poll_event(event, result), None, clients=clients(ssm=ssm, sns=sns), now=lambda: NOW + 1801
+    )
 
-    message = str(raised.value)
-    assert message.startswith(f"head node {HEAD_NODE} is not managed by SSM (")
-    assert why in message and "\n" not in message
+    assert not_started_reason(polled) == reason
+    assert sent_commands() == []
+
+
+def test_a_submit_that_cannot_be_sent_completes_without_a_run(
+    aws: None, stubbers: Callable[[str], tuple[Any, Stubber]]
+) -> None:
+    stubbed, stubber = stubbers("ssm")
+    stubber.add_response("describe_instance_information", instance_information(), DESCRIBE_HEAD_NODE)
+    stubber.add_client_error("send_command", "InvalidDocument", "Document AWS-RunShellScript does not exist")
+    event = cfn_event("Create", properties())
+
+    result = handler.on_event(event, None, clients=clients(ssm=stubbed), now=lambda: NOW)
+
+    assert result["Data"]["Phase"] == "not-started"
+    assert result["Data"]["RunStatus"] == (
+        f"not-started: sending the submit command to head node {HEAD_NODE} failed: "
+        "Document AWS-RunShellScript does not exist"
+    )
+    assert handler.is_complete(poll_event(event, result), None, clients=no_clients, now=lambda: NOW) == {
+        "IsComplete": True
+    }
 
 
 @pytest.mark.parametrize(
@@ -488,8 +583,21 @@ def test_submission_success_reads_the_run_record_from_s3(
 
     assert polled == {
         "IsComplete": True,
-        "Data": {"RunId": run_id, "RunDir": f"/fsx/runs/{run_id}", "JobIds": JOB_IDS},
+        "Data": {"RunId": run_id, "RunDir": f"/fsx/runs/{run_id}", "JobIds": JOB_IDS, "RunStatus": "submitted"},
     }
+
+
+def not_started_reason(polled: dict[str, Any]) -> str:
+    """The reason of a run that could not start: the resource completes, and says why."""
+    assert polled["IsComplete"] is True
+    assert {key: polled["Data"][key] for key in ("RunId", "RunDir", "JobIds")} == {
+        "RunId": "",
+        "RunDir": "",
+        "JobIds": "",
+    }
+    status = str(polled["Data"]["RunStatus"])
+    assert status.startswith("not-started: ")
+    return status.removeprefix("not-started: ")
 
 
 def submit_state(props: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -547,11 +655,12 @@ def test_submission_times_out_within_one_poll(stubbers: Callable[[str], tuple[An
     ssm, stubber = stubbers("ssm")
     stubber.add_response("get_command_invocation", invocation(COMMAND, "InProgress"))
 
-    with pytest.raises(TimeoutError) as raised:
+    reason = not_started_reason(
         handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm), now=lambda: NOW + 601)
+    )
 
-    assert str(raised.value).startswith(f"timed out after 600 s waiting for the submit command {COMMAND} of run ")
-    assert "(status InProgress)" in str(raised.value)
+    assert reason.startswith(f"timed out after 600 s waiting for the submit command {COMMAND} of run ")
+    assert "(status InProgress)" in reason
 
 
 def test_submission_failure_reason_has_the_cli_error(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
@@ -562,10 +671,9 @@ def test_submission_failure_reason_has_the_cli_error(stubbers: Callable[[str], t
     stubber.add_response("get_command_invocation", invocation(COMMAND, "Failed", stdout, stderr, code=2))
     s3, _ = stubbers("s3")  # the inline output is complete: no S3 read
 
-    with pytest.raises(RuntimeError) as raised:
+    message = not_started_reason(
         handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW + 30)
-
-    message = str(raised.value)
+    )
     assert "\n" not in message
     assert message.startswith(
         f"submit command {COMMAND} of run {expected_run_id(properties())} on head node {HEAD_NODE} Failed (exit 2): "
@@ -590,10 +698,9 @@ def test_submission_failure_with_cut_output_reads_the_tail_from_s3(
         Body=b"fatal error: An error occurred (403) when calling the HeadObject operation: Forbidden\n",
     )
 
-    with pytest.raises(RuntimeError) as raised:
+    message = not_started_reason(
         handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW + 30)
-
-    message = str(raised.value)
+    )
     assert "Failed (exit 1)" in message and "fetching source" in message
     assert message.endswith("HeadObject operation: Forbidden")
     assert len(message) <= handler.MAX_REASON
@@ -614,8 +721,8 @@ def test_submission_success_without_a_run_record_fails(stubbers: Callable[[str],
             expected_params={"Bucket": OUTPUT_BUCKET, "Key": f"{folder}/{name}", "Range": "bytes=-65536"},
         )
 
-    with pytest.raises(RuntimeError, match="succeeded but printed no PIPELINE-RUN line: done"):
-        handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW)
+    polled = handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW)
+    assert not_started_reason(polled).endswith("succeeded but printed no PIPELINE-RUN line: done")
 
 
 def test_output_is_read_at_the_keys_of_the_invocation_urls(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
@@ -635,8 +742,8 @@ def test_output_is_read_at_the_keys_of_the_invocation_urls(stubbers: Callable[[s
             {"Bucket": OUTPUT_BUCKET, "Key": f"{folder}/{name}", "Range": "bytes=-65536"},
         )
 
-    with pytest.raises(RuntimeError, match=r"Failed \(exit 1\): zzz \| unzipping \| error: no space left on device$"):
-        handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW)
+    polled = handler.is_complete(poll_event(event, result), None, clients=clients(ssm=ssm, s3=s3), now=lambda: NOW)
+    assert not_started_reason(polled).endswith("Failed (exit 1): zzz | unzipping | error: no space left on device")
 
 
 @pytest.mark.parametrize(

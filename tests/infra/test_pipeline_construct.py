@@ -12,9 +12,11 @@ from typing import Any
 from aws_cdk import App, Stack
 from aws_cdk import aws_s3_assets as s3_assets
 
+from stacks.application import ENVIRONMENTS_DIR
+from stacks.config import load_environment
 from stacks.pipeline import SOURCE_EXCLUDE, SOURCE_PARTS, source_files, source_hash
 from tests.conftest import ROOT
-from tests.infra.conftest import Synthesized
+from tests.infra.conftest import Synthesized, synthesize_config
 
 
 def pipeline_resource(env: Synthesized) -> tuple[str, dict[str, Any]]:
@@ -96,6 +98,10 @@ def test_handler_role_reaches_only_this_head_node_bucket_prefix_and_file_system(
             "fsx:DescribeDataRepositoryTasks",
             "logs:CreateLogStream",  # its two log groups, nothing broader
             "logs:PutLogEvents",
+            "ssm:ListCommands",  # finds the submit command a poll sent once the head node came online
+            "sns:Publish",  # a run that cannot start is a notice on the alarm topic
+            "kms:Decrypt",
+            "kms:GenerateDataKey",
         ]
     )
     for statement in statements:
@@ -120,8 +126,40 @@ def test_handler_role_reaches_only_this_head_node_bucket_prefix_and_file_system(
     unscoped = [s["Action"] for s in statements if s["Resource"] == "*"]
     # The three have no resource-level permissions (Service Authorization Reference; tests/infra/test_iam_reference.py).
     assert unscoped == [
-        ["fsx:DescribeDataRepositoryTasks", "ssm:DescribeInstanceInformation", "ssm:GetCommandInvocation"]
+        [
+            "fsx:DescribeDataRepositoryTasks",
+            "ssm:DescribeInstanceInformation",
+            "ssm:GetCommandInvocation",
+            "ssm:ListCommands",
+        ]
     ]
+    (publish,) = [s for s in statements if s["Action"] == "sns:Publish"]
+    assert publish["Resource"] == {"Ref": alarm_topic_id(default_env)}
+
+
+def alarm_topic_id(env: Synthesized) -> str:
+    (topic,) = env.resources_of_type("AWS::SNS::Topic")
+    return topic
+
+
+def test_a_first_deploy_that_starts_a_run_cannot_roll_back_the_environment(tmp_path: Path) -> None:
+    """With start_run true on a first deploy, the run's resource reports a run that cannot start as its
+    RunStatus (a stack output) and a notice on the alarm topic; the handler never fails for it (tested in
+    tests/assets/test_pipeline_trigger.py), and the stack wires what that needs."""
+    config = load_environment("default", ENVIRONMENTS_DIR)
+    config = config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"start_run": True})})
+    env = synthesize_config(config, tmp_path)
+    name, resource = pipeline_resource(env)
+    assert resource["Properties"]["StartRun"] == "true"
+    assert resource["Properties"]["NoticeTopicArn"] == {"Ref": alarm_topic_id(env)}
+    assert env.template["Outputs"]["PipelineRunStatus"]["Value"] == {"Fn::GetAtt": [name, "RunStatus"]}
+    # No resource depends on the run's resource: its outcome cannot hold up or undo the rest.
+    dependants = [
+        logical
+        for logical, other in env.template["Resources"].items()
+        if name in json.dumps(other.get("DependsOn", [])) or f'"{name}"' in json.dumps(other.get("Properties", {}))
+    ]
+    assert dependants == []
 
 
 def test_run_outputs_are_published(default_env: Synthesized) -> None:
@@ -131,6 +169,7 @@ def test_run_outputs_are_published(default_env: Synthesized) -> None:
         ("PipelineRunId", "RunId"),
         ("PipelineRunDirectory", "RunDir"),
         ("PipelineJobIds", "JobIds"),
+        ("PipelineRunStatus", "RunStatus"),
     ):
         assert outputs[output]["Value"] == {"Fn::GetAtt": [name, attribute]}
 

@@ -6,12 +6,17 @@ polled until it is done. CloudFormation waits at most an hour for a custom resou
 waits for training. Every wait is bounded by the `TimeoutSeconds` property, and every failure is raised
 with a one-line reason on the poll that sees it.
 
-- Create / Update: send one `AWS-RunShellScript` command to the head node that fetches the source (a zip,
-  or a prefix of files) onto the shared file system once per SourceHash, brings the shared environment up
-  to date with the source's requirement set, writes the site file and submits the run; succeed when the
-  command has printed the run record. The run id is derived from what the environment file says about the
-  run (its number, recipe and overrides), never from the code: an Update that changes only the code does
+- Create / Update: once the head node is online in SSM (a new one registers minutes after the cluster reports
+  it; the polls wait for it within TimeoutSeconds), send one `AWS-RunShellScript` command to it that fetches
+  the source (a zip, or a prefix of files) onto the shared file system once per SourceHash, brings the shared
+  environment up to date with the source's requirement set, writes the site file and submits the run; succeed
+  when the command has printed the run record. The run id is derived from what the environment file says about
+  the run (its number, recipe and overrides), never from the code: an Update that changes only the code does
   nothing, and one that changes the run submits a new run next to the old one, which is left alone.
+- A run that cannot start (the head node never online, the command failed, no run record) never fails the
+  resource: on a first deploy that would roll back the cluster, the file system and the network with it.
+  The resource completes with `RunStatus` `not-started: <reason>` (a stack output), and the reason goes to
+  the alarm topic. Bad properties still fail: they are the deployment's own mistake.
 - Delete: cancel the run's jobs when the head node is still reachable (skip it when it is not; a cancel
   that fails stops the Delete with its reason), then export the runs directory from the file system to
   its S3 data repository.
@@ -84,6 +89,7 @@ class Props:
     output_prefix: str
     timeout: int
     environment: str
+    notice_topic: str  # the alarm topic: a run that cannot start is a notice there; empty: none
 
 
 def parse_bool(value: Any, name: str) -> bool:
@@ -170,6 +176,7 @@ def parse_properties(raw: Mapping[str, Any]) -> Props:
         output_prefix=text("OutputPrefix", allow_empty=True).strip("/"),
         timeout=timeout,
         environment=text("EnvironmentName"),
+        notice_topic=str(raw.get("NoticeTopicArn") or ""),
     )
 
 
@@ -444,7 +451,14 @@ def timed_out(data: Mapping[str, Any], timeout: int, now: float) -> bool:
 
 
 def data(
-    *, run_id: str = "", run_dir: str = "", jobs: str = "", command: str = "", phase: str, started: float
+    *,
+    run_id: str = "",
+    run_dir: str = "",
+    jobs: str = "",
+    command: str = "",
+    phase: str,
+    started: float,
+    status: str = "",
 ) -> dict[str, str]:
     """The resource's attributes; every key is always present so that any Fn::GetAtt resolves."""
     return {
@@ -454,7 +468,21 @@ def data(
         "CommandId": command,
         "Phase": phase,
         "StartedAt": str(int(started)),
+        "RunStatus": status or RUN_STATUS.get(phase, ""),
     }
+
+
+# What RunStatus says when nothing went wrong; a run that could not start says `not-started: <reason>`.
+RUN_STATUS = {"none": "no-run", "unchanged": "submitted-earlier", "submit": "submitting"}
+RETRY_HINT = (
+    "The environment was kept. Fix the cause, then bump pipeline.run in the environment file and deploy again, "
+    "or run `python -m training submit` on the head node (README: 'When a run cannot start')."
+)
+
+
+def submit_comment(run_id: str, started: float) -> str:
+    """The submit command's comment: how a later poll finds the command a deferred submission sent."""
+    return f"submit pipeline run {run_id} at {int(started)}"
 
 
 # --- AWS calls --------------------------------------------------------------------------------------------
@@ -600,26 +628,53 @@ def start_submit(props: Props, clients: ClientFactory, now: float) -> dict[str, 
             f"SiteSettings.runs_root {paths.runs_root} is not below FileSystemMountDir {props.mount_dir}: "
             "the runs would not be on the shared file system"
         )
-    ssm = clients("ssm")
-    problem = head_node_problem(ssm, props.head_node)
-    if problem is not None:
-        raise RuntimeError(f"head node {props.head_node} is not managed by SSM ({problem}); cannot submit the run")
     run_id = run_id_of(props)
+    run_dir = posixpath.join(paths.runs_root, run_id)
+    ssm = clients("ssm")
+    if head_node_problem(ssm, props.head_node) is not None:
+        # A new head node registers with SSM minutes after the cluster reports it: the polls wait for it.
+        return data(run_id=run_id, run_dir=run_dir, phase="submit", started=now)
+    command = send_submit(ssm, props, run_id, now, now)
+    return data(run_id=run_id, run_dir=run_dir, command=command, phase="submit", started=now)
+
+
+def send_submit(ssm: Any, props: Props, run_id: str, started: float, now: float) -> str:
+    """Send the submit command, with what remains of the timeout as its own bound."""
+    remaining = max(60, int(props.timeout - (now - started)))
     try:
-        command = send_script(
+        return send_script(
             ssm,
             props,
             submit_script(props, run_id),
-            f"submit pipeline run {run_id}",
-            delivery_seconds=props.timeout,
-            execution_seconds=props.timeout,
+            submit_comment(run_id, started),
+            delivery_seconds=remaining,
+            execution_seconds=remaining,
         )
     except ClientError as error:
         raise RuntimeError(
             f"sending the submit command to head node {props.head_node} failed: {error_message(error)}"
         ) from None
-    run_dir = posixpath.join(paths.runs_root, run_id)
-    return data(run_id=run_id, run_dir=run_dir, command=command, phase="submit", started=now)
+
+
+def deferred_command(ssm: Any, props: Props, state: Mapping[str, Any], now: float) -> str | None:
+    """The submit command of a submission that waited for SSM: the one an earlier poll sent, or one sent now
+    that the head node is online; None while it is not. Polls cannot pass state on, so the command is found
+    again by its comment."""
+    run_id, started = str(state["RunId"]), float(state["StartedAt"])
+    comment = submit_comment(run_id, started)
+    sent = ssm.list_commands(InstanceId=props.head_node).get("Commands", [])
+    for command in sent:
+        if command.get("Comment") == comment:
+            return str(command["CommandId"])
+    problem = head_node_problem(ssm, props.head_node)
+    if problem is None:
+        return send_submit(ssm, props, run_id, started, now)
+    if timed_out(state, props.timeout, now):
+        raise TimeoutError(
+            f"head node {props.head_node} did not come online in SSM within {props.timeout} s ({problem}); "
+            "the run was not submitted"
+        )
+    return None
 
 
 def start_teardown(props: Props, clients: ClientFactory, now: float) -> dict[str, Any]:
@@ -648,9 +703,16 @@ def start_teardown(props: Props, clients: ClientFactory, now: float) -> dict[str
 
 
 def check_submit(props: Props, state: Mapping[str, Any], clients: ClientFactory, now: float) -> dict[str, Any]:
+    """The submission's outcome; raises with the reason when the run could not be started."""
+    ssm = clients("ssm")
     command, run_id = str(state["CommandId"]), str(state["RunId"])
+    if not command:
+        found = deferred_command(ssm, props, state, now)
+        if found is None:
+            return {"IsComplete": False}
+        command = found
     what = f"submit command {command} of run {run_id} on head node {props.head_node}"
-    invocation = get_invocation(clients("ssm"), command, props.head_node)
+    invocation = get_invocation(ssm, command, props.head_node)
     if invocation is None or command_state(invocation["Status"]) == "wait":
         status = invocation["Status"] if invocation is not None else "not yet registered"
         if timed_out(state, props.timeout, now):
@@ -668,7 +730,32 @@ def check_submit(props: Props, state: Mapping[str, Any], clients: ClientFactory,
         )
     run_id = str(run.get("run_id") or run_id)
     run_dir = posixpath.join(paths_of(props).runs_root, run_id)
-    return {"IsComplete": True, "Data": {"RunId": run_id, "RunDir": run_dir, "JobIds": job_ids(run)}}
+    return {
+        "IsComplete": True,
+        "Data": {"RunId": run_id, "RunDir": run_dir, "JobIds": job_ids(run), "RunStatus": "submitted"},
+    }
+
+
+def run_not_started(props: Props, reason: str, clients: ClientFactory) -> dict[str, Any]:
+    """A run that could not start completes the resource anyway: on a first deploy a failure here would roll
+    back the cluster, the file system and the network with it. The reason is the RunStatus attribute (a stack
+    output), the log's last line and a notice on the alarm topic."""
+    reason = one_line(reason)
+    print(f"the run was not started: {reason}")
+    if props.notice_topic:
+        try:
+            clients("sns").publish(
+                TopicArn=props.notice_topic,
+                Subject=f"Training run of {props.environment} not started"[:100],
+                Message=f"The deploy of environment {props.environment} could not start its training run: "
+                f"{reason}\n\n{RETRY_HINT}",
+            )
+        except ClientError as error:  # the notice is a courtesy; the stack output still says it
+            print(f"the notice to {props.notice_topic} failed: {error_message(error)}")
+    return {
+        "IsComplete": True,
+        "Data": {"RunId": "", "RunDir": "", "JobIds": "", "RunStatus": f"not-started: {reason}"},
+    }
 
 
 def check_teardown(props: Props, state: Mapping[str, Any], clients: ClientFactory, now: float) -> dict[str, Any]:
@@ -768,7 +855,13 @@ def on_event(
             run_id=run_id, run_dir=posixpath.join(paths_of(props).runs_root, run_id), phase="unchanged", started=started
         )
     elif action == "submit":
-        state = start_submit(parse_properties(raw), clients, started)
+        props = parse_properties(raw)
+        try:
+            state = start_submit(props, clients, started)
+        except (RuntimeError, ClientError) as error:
+            reason = error_message(error) if isinstance(error, ClientError) else str(error)
+            outcome = run_not_started(props, reason, clients)["Data"]
+            state = data(phase="not-started", started=started, status=outcome["RunStatus"])
     else:
         state = start_teardown(parse_properties(raw), clients, started)
     print(f"{request} -> {action}: {json.dumps(state, sort_keys=True)}")
@@ -781,11 +874,15 @@ def is_complete(
     """Poll the phase on_event started; stateless apart from the Data on_event returned."""
     state = event.get("Data") or {}
     phase = state.get("Phase", "none")
-    if phase in ("none", "unchanged"):
+    if phase in ("none", "unchanged", "not-started"):
         return {"IsComplete": True}
     props = parse_properties(event.get("ResourceProperties") or {})
     if phase == "submit":
-        result = check_submit(props, state, clients, now())
+        try:
+            result = check_submit(props, state, clients, now())
+        except (RuntimeError, TimeoutError, ClientError) as error:
+            reason = error_message(error) if isinstance(error, ClientError) else str(error)
+            result = run_not_started(props, reason, clients)
     elif phase in ("cancel", "export"):
         result = check_teardown(props, state, clients, now())
     else:
