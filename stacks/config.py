@@ -161,6 +161,15 @@ class ComputeConfig(StrictModel):
         "and replaces them afterwards; TERMINATE replaces them at once, killing their jobs (also needed to lower "
         "max_count while nodes run)",
     )
+    custom_ami: Annotated[
+        str | None,
+        Field(strict=True, pattern=r"^ami-[0-9a-f]{8,17}$"),
+        Allowed("an image id such as ami-0123456789abcdef0"),
+    ] = Field(
+        None,
+        description="an image of the Trainium queue with the Neuron packages baked in (make image-config); omit to "
+        "install them at every boot",
+    )
 
     @property
     def placement_group_enabled(self) -> bool:

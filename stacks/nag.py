@@ -49,6 +49,13 @@ NODE_OBJECT_ACCESS = {
 
 ACKNOWLEDGEMENTS = (
     Acknowledgement(
+        "Preflight/Role",
+        "AwsSolutions-IAM5[Resource::*]",
+        "this environment's preflight only reads: ec2:Describe* (zones, instance type offerings and types, "
+        "capacity reservations, images) and servicequotas:Get*/List* have no resource-level permissions "
+        "(Service Authorization Reference).",
+    ),
+    Acknowledgement(
         "Storage/Results",
         "AwsSolutions-S1",
         "Results bucket is written only by this environment's node roles and FSx export; server access logs "

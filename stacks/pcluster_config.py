@@ -88,6 +88,7 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
         },
         "ComputeSettings": {"LocalStorage": {"RootVolume": {"Size": compute.root_volume_gib, "Encrypted": True}}},
         "ComputeResources": [compute_resource],
+        **({"Image": {"CustomAmi": compute.custom_ami}} if compute.custom_ami else {}),
         "CustomActions": bootstrap,
         "Iam": {"AdditionalIamPolicies": [{"Policy": resources.compute_node_policy_arn}]},
         # Trainium jobs own whole nodes; sharing a node between jobs would split its NeuronCores.

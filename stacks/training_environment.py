@@ -7,6 +7,7 @@ This is the only code that reads the whole environment; each construct gets only
 from __future__ import annotations
 
 from aws_cdk import CfnOutput, Environment, Stack, Tags
+from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
 from stacks.budget import BudgetGuard
@@ -20,6 +21,7 @@ from stacks.notifications import Notifications
 from stacks.pcluster_config import ClusterSettings
 from stacks.pipeline import SOURCE_PREFIX, SSM_OUTPUT_PREFIX, Pipeline, SharedEnvironment
 from stacks.pipeline_site import EXECUTED_FOLDERS, shared_env_path, site_settings
+from stacks.preflight import Preflight, preflight_checks
 from stacks.storage import Storage
 from training.config.recipe import load_recipe
 from training.errors import UserError
@@ -91,6 +93,11 @@ class TrainingEnvironmentStack(Stack):
             Tags.of(self).add(key, value)
 
         retention_days = config.logging.retention_days
+        # First: what only the account knows (zone offerings, quotas, reservations, images), checked before
+        # anything that bills exists; the NAT gateway, the file system and the cluster wait for it.
+        self.preflight = Preflight(
+            self, "Preflight", checks=preflight_checks(config), log_retention_days=retention_days
+        )
         self.network = Network(
             self,
             "Network",
@@ -108,6 +115,10 @@ class TrainingEnvironmentStack(Stack):
             subnet=self.network.private_subnet,
             client_security_group=self.network.cluster_security_group,  # the Lustre ports open to the nodes
         )
+        for construct in self.network.node.find_all():
+            if isinstance(construct, ec2.CfnNatGateway | ec2.CfnEIP):
+                construct.node.add_dependency(self.preflight.resource)
+        self.storage.file_system.node.add_dependency(self.preflight.resource)
         neuron_release = bootstrap_neuron_release()
         # One log group for the stack's one BucketDeployment handler (the code and the node files).
         deployment_logs = log_group_with_retention(self, "DeploymentLogs", retention_days)
@@ -138,6 +149,8 @@ class TrainingEnvironmentStack(Stack):
                 read_prefixes=(NODE_FILES_PREFIX, f"{RESULTS_PREFIX}/"), write_prefixes=(f"{RESULTS_PREFIX}/",)
             ),
         )
+
+        self.cluster.resource.node.add_dependency(self.preflight.resource)
 
         self.notifications = Notifications(
             self,

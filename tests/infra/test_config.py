@@ -51,7 +51,7 @@ def test_shipped_environments_load(name: str) -> None:
 
 def test_default_reproduces_the_first_document() -> None:
     config = load_environment("default", ENVIRONMENTS_DIR)
-    assert (config.region, config.availability_zone) == ("us-west-2", "us-west-2d")
+    assert (config.region, config.availability_zone) == ("us-west-2", "usw2-az4")  # the zone by ID
     assert (config.head_node.instance_type, config.head_node.root_volume_gib) == ("m6a.2xlarge", 100)
     assert config.compute.root_volume_gib == 1024
     assert config.cpu_queue is not None and config.cpu_queue.instance_type == "r6a.8xlarge"
@@ -81,7 +81,7 @@ RULES = {
         {"compute.gpus": 8},
         "environments-under-test/candidate.yaml: compute.gpus: unknown key; allowed keys here: "
         "instance_type, queue_name, min_count, max_count, efa, placement_group, capacity, "
-        "root_volume_gib, scaledown_idle_minutes, queue_update_strategy",
+        "root_volume_gib, scaledown_idle_minutes, queue_update_strategy, custom_ami",
     ),
     "unknown top-level key": (
         {"vpc": {"cidr": "10.0.0.0/16"}},

@@ -37,7 +37,9 @@ def logical_id(env: Synthesized, resource_type: str) -> str:
 def test_one_public_and_one_private_subnet_in_the_configured_zone(default_env: Synthesized) -> None:
     subnets = default_env.resources_of_type("AWS::EC2::Subnet").values()
     assert sorted(s["Properties"]["MapPublicIpOnLaunch"] for s in subnets) == [False, True]
-    assert {s["Properties"]["AvailabilityZone"] for s in subnets} == {"us-west-2d"}
+    # A zone ID, not a name: names map to different physical zones per account.
+    assert {s["Properties"]["AvailabilityZoneId"] for s in subnets} == {"usw2-az4"}
+    assert all("AvailabilityZone" not in s["Properties"] for s in subnets)
 
 
 def test_nat_gateway_and_s3_gateway_endpoint(default_env: Synthesized) -> None:
