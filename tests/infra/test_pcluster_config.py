@@ -375,7 +375,8 @@ GROUP = "arn:aws:resource-groups:us-west-2:123456789012:group/trn1-odcrs"
 CAPACITY_CASES = {
     "capacity-block": {"compute": {"capacity": {"type": "capacity-block", "reservation_id": BLOCK}}},
     "reservation": {"compute": {"capacity": {"type": "reservation", "reservation_id": ODCR}}},
-    "zone-id": {"availability_zone": "usw2-az4"},
+    "zone-name": {"availability_zone": "us-west-2d"},  # the bundled files name their zone by ID
+    "custom-ami": {"compute": {"custom_ami": "ami-0123456789abcdef0"}},
 }
 
 
@@ -425,10 +426,13 @@ def test_reserved_capacity_and_zone_ids_pass_parallelcluster_validation(case: st
         assert queue["CapacityType"] == "ONDEMAND" and resource["MinCount"] == 0
         assert resource["CapacityReservationTarget"] == {"CapacityReservationId": ODCR}
         assert "CapacityReservationSizeValidator" in report.executed_validators
+    elif case == "custom-ami":
+        # The queue's own image (update policy QUEUE_UPDATE_STRATEGY: new nodes boot it after a deploy).
+        assert queue["Image"] == {"CustomAmi": "ami-0123456789abcdef0"}
     else:
         subnets = [r for r in env.template["Resources"].values() if r["Type"] == "AWS::EC2::Subnet"]
-        assert {s["Properties"].get("AvailabilityZoneId") for s in subnets} == {"usw2-az4"}
-        assert all("AvailabilityZone" not in s["Properties"] for s in subnets)
+        assert {s["Properties"].get("AvailabilityZone") for s in subnets} == {"us-west-2d"}
+        assert all("AvailabilityZoneId" not in s["Properties"] for s in subnets)
         assert "CapacityReservationTarget" not in resource
 
 

@@ -203,7 +203,7 @@ def reservation_problems(ec2: Any, rgroups: Any, checks: Checks, zone_id: str, n
         start = reservation.get("StartDate")
         starts_soon = state == "scheduled" and start is not None and start - now <= BLOCK_START_GRACE
         if state != "active" and not starts_soon:
-            when = f", starting {start:%Y-%m-%d %H:%M} UTC" if start is not None else ""
+            when = f", starting {start:%Y-%m-%d %H:%M} UTC" if state == "scheduled" and start is not None else ""
             problems.append(f"capacity reservation {rid} is {state}{when}; allowed: an active one")
         if reservation.get("ReservationType", "default") != want_type:
             problems.append(
