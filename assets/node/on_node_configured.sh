@@ -919,6 +919,67 @@ build_shared_env() {
   log "shared venv ready: ${target} -> $(basename "${build}")"
 }
 
+# ----------------------------------------------------------------------------- the shared venv, in the background
+
+# The head node's OnNodeConfigured must finish within ParallelCluster's 2100 s (NODE_BOOTSTRAP_TIMEOUT), its
+# own cookbook included, and a failure there rolls back the whole first deploy. The shared venv (about 3 GB of
+# wheels, 7-8 GB installed) is therefore built by a oneshot unit started in the background: OnNodeConfigured
+# returns at once. The pipeline's `--env-only` (before every run) takes the same lock as the build, so it waits
+# for a running build and then finds it complete, or builds again and fails the run, never the cluster, with
+# pip's error. Jobs see the venv only once it is complete: its path is a link moved into place last.
+SHARED_ENV_UNIT="trainium-shared-env.service"
+BOOTSTRAP_COPY="${BOOTSTRAP_COPY:-/var/lib/trainium-bootstrap/on_node_configured.sh}"
+
+shared_env_arguments() {
+  local -a arguments=(--env-only --node-type head --neuron-release "${ARG_NEURON_RELEASE}"
+    --shared-env "${ARG_SHARED_ENV}" --pip-index "${ARG_PIP_INDEX}")
+  if [[ -n "${ARG_REQUIREMENTS}" ]]; then
+    arguments+=(--requirements "${ARG_REQUIREMENTS}")
+  fi
+  printf '%s\n' "${arguments[@]}"
+}
+
+shared_env_unit_text() {
+  local command="/bin/bash ${BOOTSTRAP_COPY}" argument
+  while IFS= read -r argument; do
+    [[ "${argument}" =~ ^[A-Za-z0-9_./:=@+-]+$ ]] ||
+      die "cannot pass '${argument}' to ${SHARED_ENV_UNIT}: allowed: letters, digits and _ . / : = @ + -"
+    command+=" ${argument}"
+  done < <(shared_env_arguments)
+  cat <<UNIT
+[Unit]
+Description=Build the shared Neuron environment ${ARG_SHARED_ENV} (pipeline runs wait for it)
+Wants=network-online.target
+After=network-online.target remote-fs.target
+
+[Service]
+Type=oneshot
+ExecStart=${command}
+# pip downloads and installs several GB; the pipeline's own wait is bounded separately.
+TimeoutStartSec=3600
+UNIT
+}
+
+start_shared_env_build() {
+  local path="${SYSTEMD_DIR}/${SHARED_ENV_UNIT}"
+  if [[ "${DRY_RUN}" == 1 ]]; then
+    printf 'DRY-RUN: copy %s to %s\n' "${BASH_SOURCE[0]}" "${BOOTSTRAP_COPY}"
+    printf 'DRY-RUN: write %s\n' "${path}"
+    shared_env_unit_text | sed -E 's/^(.)/  \1/'
+  else
+    install -D -m 0700 "${BASH_SOURCE[0]}" "${BOOTSTRAP_COPY}"
+    install -d -m 0755 "${SYSTEMD_DIR}"
+    local tmp
+    tmp=$(mktemp "${path}.XXXXXX")
+    shared_env_unit_text >"${tmp}"
+    chmod 0644 "${tmp}"
+    mv -f "${tmp}" "${path}"
+  fi
+  run systemctl daemon-reload
+  run systemctl start --no-block "${SHARED_ENV_UNIT}"
+  log "the shared venv ${ARG_SHARED_ENV} is being built by ${SHARED_ENV_UNIT} (journalctl -u ${SHARED_ENV_UNIT})"
+}
+
 # ----------------------------------------------------------------------------- monitoring
 
 # CloudWatch metrics from the nodes (training/monitoring/): the head node's queue, nodes and run stages every
@@ -1113,14 +1174,13 @@ main() {
     head)
       fetch_requirements
       if [[ "${ARG_ENV_ONLY}" == 1 ]]; then
-        log "--env-only: the shared venv only"
+        log "--env-only: the shared venv only (waits for a build ${SHARED_ENV_UNIT} is running)"
+        build_shared_env
       else
         install_head_packages
-      fi
-      build_shared_env
-      if [[ "${ARG_ENV_ONLY}" != 1 ]]; then
         write_health_prolog
         install_monitoring_units cluster
+        start_shared_env_build
       fi
       ;;
     compute)

@@ -256,7 +256,11 @@ def test_equals_form_of_options_is_accepted(node_files) -> None:
     args = [f"--neuron-release={RELEASE}", f"--shared-env={SHARED_ENV}", "--pip-index=https://mirror.example/simple"]
     result = run_script([*args, "--dry-run"], node_files())
     assert result.returncode == 0, result.stderr
-    assert "--extra-index-url https://mirror.example/simple" in result.stdout
+    # The head node passes it on to the unit that builds the shared venv.
+    (exec_start,) = (line for line in written_units(result.stdout)[SHARED_ENV_UNIT_PATH] if "ExecStart=" in line)
+    assert "--pip-index https://mirror.example/simple" in exec_start
+    built = run_script([*args, "--env-only", "--node-type", "head", "--dry-run"], node_files())
+    assert "--extra-index-url https://mirror.example/simple" in built.stdout
 
 
 # ----------------------------------------------------------------------------- OS and node type
@@ -303,7 +307,15 @@ def test_login_node_installs_nothing(node_files) -> None:
 @pytest.mark.parametrize(("os_release", "python"), [(UBUNTU_2204, "python3.10"), (UBUNTU_2404, "python3.12")])
 def test_dry_run_head_node(node_files, os_release: str, python: str) -> None:
     env = node_files(os_release=os_release, cfn_node_type="HeadNode")
-    result = run_script([*REQUIRED_ARGS, "--dry-run"], env)
+    bootstrap = run_script([*REQUIRED_ARGS, "--dry-run"], env)
+    assert bootstrap.returncode == 0, bootstrap.stderr
+    # OnNodeConfigured itself builds nothing: the shared venv is built by a unit started in the background.
+    started = dry_run_commands(bootstrap.stdout)
+    assert not [c for c in started if " -m pip " in c or " -m venv " in c], started
+    assert started[-2:] == ["systemctl daemon-reload", "systemctl start --no-block trainium-shared-env.service"]
+    assert any(f"{python}-venv" in c for c in started)
+    # The unit runs the same script's --env-only, which builds it.
+    result = run_script([*REQUIRED_ARGS, "--env-only", "--node-type", "head", "--dry-run"], env)
     assert result.returncode == 0, result.stderr
     commands = dry_run_commands(result.stdout)
     pip_installs = [c for c in commands if " -m pip install " in c and "--extra-index-url" in c]
@@ -318,8 +330,7 @@ def test_dry_run_head_node(node_files, os_release: str, python: str) -> None:
     assert any(c.startswith("flock ") and c.endswith(f"/fsx/envs/.neuron-{RELEASE}.lock") for c in commands)
     assert commands[-1].startswith("ln -sfn ") and commands[-1].endswith(f" {SHARED_ENV}")
     # No Neuron devices on the head node: no driver, runtime or tools.
-    assert "aws-neuronx" not in result.stdout
-    assert any(f"{python}-venv" in c for c in commands)
+    assert "aws-neuronx" not in result.stdout + bootstrap.stdout
     # The /etc/hosts fix is for compute nodes only.
     assert Path(env["HOSTS_FILE"]).read_text() == HOSTS
     assert "remove line" not in result.stdout
@@ -406,14 +417,23 @@ def fake_head_node(tmp_path: Path, node_files):
     env["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
     env["ARGUMENTS_FILE"] = str(tmp_path / "state" / "arguments")  # a head node's run records its arguments
 
-    def run_main(pip_step: str = ":", extra: str = "") -> subprocess.CompletedProcess[str]:
+    env["SYSTEMD_DIR"] = str(tmp_path / "systemd")
+    env["BOOTSTRAP_COPY"] = str(tmp_path / "state" / "on_node_configured.sh")
+    started = tmp_path / "systemctl-calls"
+    fake_systemctl = bin_dir / "systemctl"
+    fake_systemctl.write_text(f'#!/usr/bin/env bash\necho "$*" >>"{started}"\n')
+    fake_systemctl.chmod(0o755)
+
+    def run_main(pip_step: str = ":", extra: str = "", env_only: bool = True) -> subprocess.CompletedProcess[str]:
+        """The build as the background unit runs it (--env-only), or the whole head node bootstrap."""
+        mode = "--env-only --node-type head" if env_only else ""
         snippet = textwrap.dedent(
             f"""\
             install_head_packages() {{ :; }}
             require_root() {{ :; }}
             install_pip_packages() {{ {pip_step}; }}
             verify_pip_versions() {{ :; }}
-            main --neuron-release {RELEASE} --shared-env "{shared_env}" {extra}
+            main --neuron-release {RELEASE} --shared-env "{shared_env}" {mode} {extra}
             """
         )
         return run_sourced(snippet, env)
@@ -640,6 +660,9 @@ CLUSTER_EXEC = f"{SHARED_ENV}/bin/python -m training monitor cluster --site /fsx
 NEURON_EXEC = f"{SHARED_ENV}/bin/python -m training monitor neuron --site /fsx/pipeline/site-default.yaml"
 
 
+SHARED_ENV_UNIT_PATH = "/etc/systemd/system/trainium-shared-env.service"
+
+
 def written_units(stdout: str) -> dict[str, list[str]]:
     """The unit files a dry run would write: path -> lines (printed indented after `DRY-RUN: write PATH`)."""
     units: dict[str, list[str]] = {}
@@ -660,6 +683,7 @@ def test_dry_run_head_node_installs_the_cluster_monitor_timer(node_files) -> Non
     units = written_units(result.stdout)
     service = units.pop("/etc/systemd/system/trainium-monitor-cluster.service")
     timer = units.pop("/etc/systemd/system/trainium-monitor-cluster.timer")
+    units.pop(SHARED_ENV_UNIT_PATH)
     assert units == {}, "the head node runs no Neuron monitor"
     assert f"ExecStart={CLUSTER_EXEC}" in service
     assert "Environment=PYTHONPATH=/fsx/pipeline/current" in service
@@ -667,9 +691,9 @@ def test_dry_run_head_node_installs_the_cluster_monitor_timer(node_files) -> Non
     assert "OnCalendar=minutely" in timer and "Unit=trainium-monitor-cluster.service" in timer
     assert "WantedBy=timers.target" in timer
     commands = dry_run_commands(result.stdout)
-    assert commands[-2:] == ["systemctl daemon-reload", "systemctl enable --now trainium-monitor-cluster.timer"]
-    # After the shared venv the units run is published.
-    assert commands[-5].startswith("ln -sfn ") and commands[-4].endswith("trainium-monitor-cluster.service")
+    enable = commands.index("systemctl enable --now trainium-monitor-cluster.timer")
+    assert commands[enable - 1] == "systemctl daemon-reload"
+    assert commands[-1] == "systemctl start --no-block trainium-shared-env.service"
 
 
 def test_dry_run_trainium_node_installs_the_neuron_monitor_service(node_files) -> None:
@@ -1105,8 +1129,16 @@ def test_refresh_reruns_the_head_node_with_its_first_arguments(fake_head_node, t
     """The head node runs OnNodeConfigured once; a newer script from the fixed key runs again through SSM with
     `--refresh`, with exactly the arguments ParallelCluster gave the first run."""
     shared_env, run_main, build_count = fake_head_node
-    first = run_main(extra="--pip-index https://mirror.example/simple")
+    first = run_main(extra="--pip-index https://mirror.example/simple", env_only=False)
     assert first.returncode == 0, first.stderr
+    assert build_count() == 0  # OnNodeConfigured started the build in the background; it built nothing itself
+    unit = (tmp_path / "systemd" / "trainium-shared-env.service").read_text()
+    copy = tmp_path / "state" / "on_node_configured.sh"
+    assert f"ExecStart=/bin/bash {copy} --env-only --node-type head --neuron-release {RELEASE}" in unit
+    assert (tmp_path / "systemctl-calls").read_text().splitlines()[-1] == (
+        "start --no-block trainium-shared-env.service"
+    )
+    assert copy.read_bytes() == SCRIPT.read_bytes()
     recorded = tmp_path / "state" / "arguments"
     assert recorded.read_text().splitlines() == [
         "--neuron-release",
@@ -1122,7 +1154,7 @@ def test_refresh_reruns_the_head_node_with_its_first_arguments(fake_head_node, t
     assert again.returncode == 0, again.stderr
     assert "--refresh: running with the arguments of the first run" in again.stderr
     assert "DRY-RUN: env DEBIAN_FRONTEND=noninteractive" in again.stdout  # the whole head node bootstrap again
-    assert "shared venv " + str(shared_env) + " is already complete" in again.stderr and build_count() == 1
+    assert "DRY-RUN: systemctl start --no-block trainium-shared-env.service" in again.stdout
     assert recorded.read_text().count("\n") == 6, "a refresh records nothing"
 
 
@@ -1139,3 +1171,28 @@ def test_dry_runs_and_other_node_types_record_no_arguments(node_files, tmp_path:
     env = {**node_files(cfn_node_type="HeadNode"), "ARGUMENTS_FILE": str(tmp_path / "state" / "arguments")}
     assert run_script([*REQUIRED_ARGS, "--dry-run"], env).returncode == 0
     assert not (tmp_path / "state").exists()
+
+
+def test_the_shared_env_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    """The unit the head node writes for the background build, as systemd would load it."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not on PATH (package systemd)")
+    copy = tmp_path / "on_node_configured.sh"
+    copy.write_bytes(SCRIPT.read_bytes())
+    unit = tmp_path / "trainium-shared-env.service"
+    snippet = (
+        f'ARG_NEURON_RELEASE={RELEASE} ARG_SHARED_ENV="{SHARED_ENV}" ARG_REQUIREMENTS=s3://bucket/cluster/lock.txt\n'
+        f'BOOTSTRAP_COPY="{copy}" shared_env_unit_text >"{unit}"\n'
+    )
+    result = run_sourced(snippet)
+    assert result.returncode == 0, result.stderr
+    assert "Type=oneshot" in unit.read_text() and "--requirements s3://bucket/cluster/lock.txt" in unit.read_text()
+    verified = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, check=False)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_an_argument_systemd_would_split_is_refused(tmp_path: Path) -> None:
+    result = run_sourced(f'ARG_NEURON_RELEASE={RELEASE} ARG_SHARED_ENV="/fsx/envs/a b"\nshared_env_unit_text')
+    assert result.returncode != 0
+    assert "cannot pass '/fsx/envs/a b' to trainium-shared-env.service" in result.stderr
