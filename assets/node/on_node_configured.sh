@@ -15,13 +15,16 @@
 # head node (which ran the first version once) when `--refresh` runs it again, e.g. through SSM Run Command.
 #
 # What it does, by node type:
-#   head node     apt: python3.X-venv and g++ only. Builds the shared Python venv on the shared
-#                 file system (torch-neuronx, neuronx-cc, neuronx-distributed pinned to the release,
-#                 with the cluster's locked requirement set, in one resolver run).
+#   head node     apt: python3.X-venv and g++ only. Starts a background unit that builds the shared
+#                 Python venv on the shared file system (torch-neuronx, neuronx-cc, neuronx-distributed
+#                 pinned to the release, with the cluster's locked requirement set, in one resolver run)
+#                 with --env-only, outside ParallelCluster's 2100 s bootstrap limit.
 #   --env-only    (head node, later) rebuilds the shared venv when the requirement set changed: the
 #                 pipeline runs this from the shipped source before a new run, so a changed lock never
 #                 has to change the cluster's configuration (OnNodeConfigured cannot be updated).
-#   compute node  apt: Neuron driver, runtime, collectives and tools pinned to the release;
+#   --bake        (an image build) the pinned Neuron apt packages and driver only (stacks/node_image.py).
+#   compute node  apt: Neuron driver, runtime, collectives and tools pinned to the release (skipped when
+#                 a baked image already has exactly these versions);
 #                 removes the node's own hostname line from /etc/hosts (trn1 multi-NIC fix).
 #   --environment (head and Trainium compute nodes) systemd units publishing CloudWatch metrics with the
 #                 pipeline's code: the head node a timer running `monitor cluster` every minute, each
@@ -99,6 +102,7 @@ ARG_SHARED_ENV=""
 ARG_PIP_INDEX="${DEFAULT_PIP_INDEX}"
 ARG_REQUIREMENTS=""
 ARG_ENV_ONLY=0
+ARG_BAKE=0
 ARG_APT_SUITE=""
 ARG_NODE_TYPE=""
 ARG_SKIP_HOSTS_FIX=0
@@ -143,6 +147,7 @@ Options:
                            AWS CLI), installed with the Neuron packages in one resolver run.
   --env-only               Head node: only (re)build the shared venv when it does not match the release
                            and the requirement file; no apt, no /etc/hosts.
+  --bake                   An image build: install the pinned Neuron apt packages and their driver only.
   --apt-suite NAME         Suite of the Neuron apt repository (default: VERSION_CODENAME of the OS).
   --node-type head|compute Skip node type detection from ${PCLUSTER_CFNCONFIG}.
   --skip-hosts-fix         Do not remove the node's hostname line from ${HOSTS_FILE}.
@@ -240,6 +245,10 @@ parse_args() {
         ;;
       --env-only)
         ARG_ENV_ONLY=1
+        shift
+        ;;
+      --bake)
+        ARG_BAKE=1
         shift
         ;;
       --refresh)
@@ -646,8 +655,27 @@ configure_neuron_apt_repo() {
 # Versions are pinned with a trailing '*' because the runtime and collectives debs carry a build
 # suffix (for example 2.30.51.0-<hash>); the packages are held so unattended upgrades cannot move
 # the driver away from the runtime of this release.
+# Whether every pinned Neuron apt package is installed at its pinned version: a node booted from a baked
+# image (`--bake`, stacks/node_image.py) has them, and its driver built for the image's kernel.
+DPKG_QUERY="${DPKG_QUERY:-dpkg-query}"
+neuron_packages_installed() {
+  local pin name version installed
+  for pin in "${NEURON_APT_PINS[@]}"; do
+    name=${pin%%=*}
+    version=${pin#*=}
+    # shellcheck disable=SC2016 # ${Version} is dpkg-query's field name, not a shell expansion
+    installed=$("${DPKG_QUERY}" -W -f='${Version}' "${name}" 2>/dev/null) || return 1
+    [[ "${installed}" == "${version}"* ]] || return 1
+  done
+}
+
 install_compute_packages() {
   local pins=() pin names=()
+  if neuron_packages_installed; then
+    log "Neuron ${NEURON_RELEASE} apt packages already installed (a baked image): no apt, no driver build"
+    run modprobe neuron
+    return 0
+  fi
   for pin in "${NEURON_APT_PINS[@]}"; do
     pins+=("${pin}*")
     names+=("${pin%%=*}")
@@ -657,6 +685,9 @@ install_compute_packages() {
   apt_get install --no-install-recommends --allow-downgrades --allow-change-held-packages \
     "linux-headers-$(uname -r)" "${pins[@]}"
   run apt-mark hold "${names[@]}"
+  if [[ "${NEURON_BAKING:-0}" == 1 ]]; then
+    return 0  # the image build instance has no Neuron devices; nodes booted from it load the driver
+  fi
   run modprobe neuron
   # shellcheck disable=SC2016 # ${PATH} is meant to expand at login, not here
   write_file "${NEURON_PROFILE_SCRIPT}" 'export PATH="/opt/aws/neuron/bin:${PATH}"'
@@ -1170,6 +1201,15 @@ main() {
   log "Neuron ${NEURON_RELEASE}, node type ${NODE_TYPE}, ${OS_ID} ${OS_VERSION_ID} (${OS_CODENAME})," \
     "shared venv ${ARG_SHARED_ENV}, ${mode}"
 
+  if [[ "${ARG_BAKE}" == 1 ]]; then
+    # An image build (pcluster build-image, stacks/node_image.py): the pinned Neuron packages and their driver,
+    # nothing of a running node (devices, hosts, units, the shared venv).
+    log "--bake: installing the Neuron ${NEURON_RELEASE} apt packages into the image"
+    configure_neuron_apt_repo
+    NEURON_BAKING=1 install_compute_packages
+    log "done in ${SECONDS}s"
+    return 0
+  fi
   case "${NODE_TYPE}" in
     head)
       fetch_requirements

@@ -1196,3 +1196,48 @@ def test_an_argument_systemd_would_split_is_refused(tmp_path: Path) -> None:
     result = run_sourced(f'ARG_NEURON_RELEASE={RELEASE} ARG_SHARED_ENV="/fsx/envs/a b"\nshared_env_unit_text')
     assert result.returncode != 0
     assert "cannot pass '/fsx/envs/a b' to trainium-shared-env.service" in result.stderr
+
+
+# ----------------------------------------------------------------------------- baked images
+
+
+def fake_dpkg_query(tmp_path: Path, versions: dict[str, str]) -> str:
+    """A dpkg-query that knows `versions` (package -> installed version) and nothing else."""
+    table = "\n".join(f"{name}) printf '%s' '{version}' ;;" for name, version in versions.items())
+    script = tmp_path / "dpkg-query"
+    script.write_text(f'#!/usr/bin/env bash\ncase "${{@: -1}}" in\n{table}\n*) exit 1 ;;\nesac\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_node_booted_from_a_baked_image_installs_no_apt_packages(node_files, tmp_path: Path) -> None:
+    env = node_files(cfn_node_type="ComputeFleet")
+    env["DPKG_QUERY"] = fake_dpkg_query(tmp_path, {name: f"{version}-1" for name, version in APT_PINS.items()})
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], env)
+    assert result.returncode == 0, result.stderr
+    commands = dry_run_commands(result.stdout)
+    assert not [c for c in commands if "apt-get" in c], commands
+    assert "modprobe neuron" in commands  # the image's driver, loaded on this node's devices
+    assert "already installed (a baked image): no apt, no driver build" in result.stderr
+
+
+def test_an_image_with_another_release_falls_back_to_the_boot_time_install(node_files, tmp_path: Path) -> None:
+    versions = {name: f"{version}-1" for name, version in APT_PINS.items()}
+    versions["aws-neuronx-dkms"] = "2.25.4.0"
+    env = node_files(cfn_node_type="ComputeFleet")
+    env["DPKG_QUERY"] = fake_dpkg_query(tmp_path, versions)
+    result = run_script([*REQUIRED_ARGS, "--dry-run"], env)
+    assert result.returncode == 0, result.stderr
+    assert [c for c in dry_run_commands(result.stdout) if " install " in c and "apt-get" in c]
+
+
+def test_bake_installs_the_pinned_packages_and_nothing_of_a_running_node(node_files) -> None:
+    result = run_script([*REQUIRED_ARGS, "--bake", "--node-type", "compute", "--dry-run"], node_files())
+    assert result.returncode == 0, result.stderr
+    commands = dry_run_commands(result.stdout)
+    (install,) = [c for c in commands if "apt-get" in c and " install " in c]
+    for name, version in APT_PINS.items():
+        assert f"{name}={version}\\*" in install.split()
+    assert f"apt-mark hold {' '.join(APT_PINS)}" in commands
+    assert "modprobe neuron" not in commands  # no devices on the build instance
+    assert not [c for c in commands if "systemctl" in c or "hosts" in c or " -m pip " in c], commands
