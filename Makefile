@@ -12,7 +12,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 # Offline: never reach for instance metadata when looking for credentials.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: deps tools synth synth-all demo slurm-up slurm-down slurm-status test test-neuron lint snapshots schemas lock cost clean
+.PHONY: image-config deps tools synth synth-all demo slurm-up slurm-down slurm-status test test-neuron lint snapshots schemas lock cost clean
 
 deps: $(VENV)/.installed node_modules/.installed
 
@@ -76,6 +76,11 @@ lint: deps
 	$(VPY) -m ruff check .
 	$(VPY) -m ruff format --check .
 	$(VPY) -m mypy
+
+## A `pcluster build-image` configuration for a baked Trainium image of ENV (README: "Baked images"):
+## make image-config ENV=default BUCKET=<ResultsBucketName> POLICY=<ComputeNodePolicyArn> PARENT=<official AMI>
+image-config: deps
+	$(VPY) -m stacks.node_image --env $(ENV) --bucket "$(BUCKET)" --node-policy-arn "$(POLICY)" --parent-image "$(PARENT)"
 
 ## What environment ENV costs per hour: idle, while a CPU stage runs, while training (the README's table).
 cost: deps

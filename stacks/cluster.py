@@ -29,6 +29,26 @@ PARALLELCLUSTER_POLICY_PATH = "/parallelcluster/"
 # same key, which the next node to boot runs, and never a change of the cluster configuration.
 NODE_FILES_PREFIX = "cluster/"
 NODE_SETTINGS_FILE = "node-settings.json"
+# The image build's component (stacks/node_image.py): fetches the deployed bootstrap and runs it with --bake.
+BAKE_SCRIPT_FILE = "bake_neuron_image.sh"
+
+
+def bake_script(*, bootstrap_uri: str, neuron_release: str, shared_env: str, node_settings_uri: str) -> str:
+    """The image build component: Image Builder runs a script component without arguments."""
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            "# pcluster build-image component (stacks/node_image.py): the deployed node bootstrap with --bake.",
+            "set -euo pipefail",
+            "script=$(mktemp)",
+            f'aws s3 cp --only-show-errors "{bootstrap_uri}" "$script"',
+            f'exec bash "$script" --bake --node-type compute --neuron-release {neuron_release} '
+            f'--shared-env {shared_env} --node-settings "{node_settings_uri}"',
+            "",
+        ]
+    )
+
+
 # Where the first Trainium node records the Neuron apt key's fingerprint, once (a conditional write that
 # cannot overwrite); not under NODE_FILES_PREFIX, which only the deployment writes.
 NEURON_APT_KEY_RECORD = "trust/neuron-apt-key.fingerprint"
@@ -146,6 +166,15 @@ class Cluster(Construct):
             sources=[
                 s3_deployment.Source.asset(
                     str(BOOTSTRAP_SCRIPT.parent), exclude=["*", *(f"!{path.name}" for path in node_files)]
+                ),
+                s3_deployment.Source.data(
+                    BAKE_SCRIPT_FILE,
+                    bake_script(
+                        bootstrap_uri=f"{bucket_uri}{NODE_FILES_PREFIX}{BOOTSTRAP_SCRIPT.name}",
+                        neuron_release=neuron_release,
+                        shared_env=shared_env,
+                        node_settings_uri=f"{bucket_uri}{NODE_FILES_PREFIX}{NODE_SETTINGS_FILE}",
+                    ),
                 ),
                 s3_deployment.Source.json_data(
                     NODE_SETTINGS_FILE,

@@ -225,6 +225,12 @@ class TrainingEnvironmentStack(Stack):
             description="Open a shell on the head node through SSM Session Manager (no inbound ports)",
         )
         CfnOutput(self, "ResultsBucketName", value=self.storage.bucket.bucket_name, description="Kept on destroy")
+        CfnOutput(
+            self,
+            "ComputeNodePolicyArn",
+            value=self.cluster.compute_node_policy.managed_policy_arn,
+            description="The compute nodes' policy (python -m stacks.node_image builds a baked image with it)",
+        )
         CfnOutput(self, "FileSystemId", value=self.storage.file_system.file_system_id, description="FSx for Lustre")
         CfnOutput(
             self,

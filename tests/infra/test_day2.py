@@ -140,7 +140,12 @@ def test_an_edit_of_any_file_a_node_runs_or_reads_leaves_the_cluster_configurati
     assert old_files["Properties"]["SourceObjectKeys"] != new_files["Properties"]["SourceObjectKeys"]
     assert new_files["Properties"]["DestinationBucketKeyPrefix"] == "cluster/"
     uploaded = uploaded_files(outdir, changed, new_files)
-    assert sorted(uploaded) == ["cluster-requirements.txt", "node-settings.json", "on_node_configured.sh"]
+    assert sorted(uploaded) == [
+        "bake_neuron_image.sh",
+        "cluster-requirements.txt",
+        "node-settings.json",
+        "on_node_configured.sh",
+    ]
     assert uploaded["on_node_configured.sh"] == script.read_bytes()
     assert b"transformers==4.57.5" in uploaded["cluster-requirements.txt"]
     assert json.loads(uploaded["node-settings.json"]) == {

@@ -220,7 +220,9 @@ def test_upload_is_exactly_the_shipped_files(default_env: Synthesized) -> None:
 def test_node_files_upload_is_the_bootstrap_the_lock_and_the_node_settings(default_env: Synthesized) -> None:
     deployments = default_env.resources_of_type("Custom::CDKBucketDeployment")
     (deployment,) = (d for name, d in deployments.items() if name.startswith("ClusterNodeFiles"))
-    files, settings = deployment["Properties"]["SourceObjectKeys"]
+    files, bake, settings = deployment["Properties"]["SourceObjectKeys"]
+    staged_bake = default_env.outdir / f"asset.{bake.removesuffix('.zip')}"
+    assert [p.name for p in staged_bake.iterdir()] == ["bake_neuron_image.sh"]
     staged = default_env.outdir / f"asset.{files.removesuffix('.zip')}"
     assert sorted(p.name for p in staged.iterdir()) == ["cluster-requirements.txt", "on_node_configured.sh"]
     for name in ("cluster-requirements.txt", "on_node_configured.sh"):
