@@ -7,7 +7,6 @@ the head node acts on, then tells the alarm topic what it did.
 
 from __future__ import annotations
 
-import typing
 from pathlib import Path
 
 from aws_cdk import Aws, Duration
@@ -18,7 +17,7 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as subscriptions
 from constructs import Construct
 
-from stacks.log_groups import log_group_with_retention
+from stacks.handler_functions import handler_function
 from stacks.notifications import Notifications
 
 HANDLER_DIR = Path(__file__).resolve().parent.parent / "assets" / "lambda" / "budget_guard"
@@ -143,23 +142,14 @@ class BudgetGuard(Construct):
             )
         )
         notifications.grant_publish(role)  # its notices: what it did, and the budget's message
-        logs = log_group_with_retention(self, "StopLogs", log_retention_days)
-        logs.grant_write(role)  # its own log group, instead of the broad basic-execution policy
-        function = lambda_.Function(
+        return handler_function(
             self,
             "Stop",
             description=f"Stops the compute fleet of {cluster_name} when the budget's stop notification arrives",
-            runtime=lambda_.Runtime.PYTHON_3_14,
-            handler="handler.handler",
-            code=lambda_.Code.from_asset(str(HANDLER_DIR), exclude=["__pycache__", "*.pyc"]),
+            handler_dir=HANDLER_DIR,
             role=role,
+            logs_id="StopLogs",
+            log_retention_days=log_retention_days,
             timeout=Duration.minutes(1),
-            memory_size=128,
-            log_group=logs,
             environment={"CLUSTER_NAME": cluster_name, "ALARM_TOPIC_ARN": notifications.topic.topic_arn},
         )
-        # CDK writes both `DependsOn` and `Fn::GetAtt` to the role (harmless, not ours to change): this function
-        # alone ignores only that cfn-lint rule, as stacks/pipeline.py does for its functions.
-        cfn_function = typing.cast(lambda_.CfnFunction, function.node.default_child)
-        cfn_function.add_metadata("cfn-lint", {"config": {"ignore_checks": ["W3005"]}})
-        return function

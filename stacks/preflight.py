@@ -13,11 +13,10 @@ from pathlib import Path
 
 from aws_cdk import CustomResource, Duration
 from aws_cdk import aws_iam as iam
-from aws_cdk import aws_lambda as lambda_
 from constructs import Construct
 
 from stacks.config import EnvironmentConfig
-from stacks.log_groups import log_group_with_retention
+from stacks.handler_functions import handler_function
 
 HANDLER_DIR = Path(__file__).resolve().parent.parent / "assets" / "lambda" / "preflight"
 # What the checks read; none of these actions has resource-level permissions (Service Authorization Reference).
@@ -109,23 +108,16 @@ class Preflight(Construct):
                     actions=["resource-groups:ListGroupResources"], resources=[checks.resource_group_arn]
                 )
             )
-        logs = log_group_with_retention(self, "Logs", log_retention_days)
-        logs.grant_write(role)  # its own log group, instead of the broad basic-execution policy
-        self.function = lambda_.Function(
+        self.function = handler_function(
             self,
             "Check",
             description="Refuses an environment the account cannot run, before anything bills",
-            runtime=lambda_.Runtime.PYTHON_3_14,
-            handler="handler.handler",
-            code=lambda_.Code.from_asset(str(HANDLER_DIR), exclude=["__pycache__", "*.pyc"]),
+            handler_dir=HANDLER_DIR,
             role=role,
+            logs_id="Logs",
+            log_retention_days=log_retention_days,
             timeout=Duration.minutes(2),
-            memory_size=128,
-            log_group=logs,
         )
-        # CDK writes both `DependsOn` and `Fn::GetAtt` to the role (harmless): only that cfn-lint rule is ignored.
-        cfn_function = typing.cast(lambda_.CfnFunction, self.function.node.default_child)
-        cfn_function.add_metadata("cfn-lint", {"config": {"ignore_checks": ["W3005"]}})
         self.resource = CustomResource(
             self,
             "Resource",

@@ -133,13 +133,27 @@ def fsx_quota(aws: Aws, value: float) -> None:
 WANTED = ["m6a.2xlarge", "r6a.8xlarge", "trn1.32xlarge"]
 
 
-def healthy_account(aws: Aws, *, trn_quota: float = 512, standard: float = 640, fsx: float = 100800) -> None:
-    zone(aws)
-    offerings(aws, WANTED, WANTED)
+def account(
+    aws: Aws,
+    *,
+    given: str = ZONE_ID,
+    offered: tuple[str, ...] = tuple(WANTED),
+    standard: float | None = 640,
+    trn: tuple[str, float] | None = ("L-2C3B7624", 512),
+    fsx: float = 100800,
+) -> None:
+    """The answers the checks ask for, in their order: zone, offerings, vCPUs, quotas (a block asks no Trn one)."""
+    zone(aws, given)
+    offerings(aws, list(offered), WANTED)
     instance_types(aws, WANTED)
     quota(aws, "L-1216C47A", standard)  # 2 x 32 + 8 = 72 vCPUs needed
-    quota(aws, "L-2C3B7624", trn_quota)  # 4 x 128 = 512 vCPUs needed
+    if trn is not None:
+        quota(aws, *trn)  # 4 x 128 = 512 vCPUs needed
     fsx_quota(aws, fsx)
+
+
+def healthy_account(aws: Aws, *, trn_quota: float = 512) -> None:
+    account(aws, trn=("L-2C3B7624", trn_quota))
 
 
 def problems(aws: Aws, properties: dict[str, Any] | None = None) -> list[str]:
@@ -153,12 +167,7 @@ def test_the_default_environment_on_a_healthy_account_passes(aws: Aws) -> None:
 
 
 def test_a_zone_without_trn1_is_refused_naming_the_zone_both_ways(aws: Aws) -> None:
-    zone(aws)
-    offerings(aws, ["m6a.2xlarge", "r6a.8xlarge"], WANTED)
-    instance_types(aws, WANTED)
-    quota(aws, "L-1216C47A", 640)
-    quota(aws, "L-2C3B7624", 512)
-    fsx_quota(aws, 100800)
+    account(aws, offered=("m6a.2xlarge", "r6a.8xlarge"))
     assert problems(aws) == [
         "zone usw2-az4 (us-west-2d in this account) does not offer trn1.32xlarge (queue compute1); allowed: a zone "
         "that does (aws ec2 describe-instance-type-offerings --location-type availability-zone-id)"
@@ -167,22 +176,12 @@ def test_a_zone_without_trn1_is_refused_naming_the_zone_both_ways(aws: Aws) -> N
 
 def test_a_zone_given_by_name_is_resolved_to_its_id(aws: Aws) -> None:
     properties = default_properties() | {"Zone": ZONE_NAME}
-    zone(aws, ZONE_NAME)
-    offerings(aws, WANTED, WANTED)
-    instance_types(aws, WANTED)
-    quota(aws, "L-1216C47A", 640)
-    quota(aws, "L-2C3B7624", 512)
-    fsx_quota(aws, 100800)
+    account(aws, given=ZONE_NAME)
     assert problems(aws, properties) == []
 
 
 def test_quotas_below_the_largest_environment_are_refused(aws: Aws) -> None:
-    zone(aws)
-    offerings(aws, WANTED, WANTED)
-    instance_types(aws, WANTED)
-    quota(aws, "L-1216C47A", None)  # no applied value: the default (0 here) counts
-    quota(aws, "L-2C3B7624", 256)
-    fsx_quota(aws, 1000)
+    account(aws, standard=None, trn=("L-2C3B7624", 256), fsx=1000)  # None: no applied value, the default (0) counts
     assert problems(aws) == [
         'Service Quotas: "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances" (L-1216C47A) is 0 vCPUs, '
         "the environment needs 72; allowed: a quota raised to at least that (Service Quotas console, or fewer/smaller "
@@ -195,12 +194,7 @@ def test_quotas_below_the_largest_environment_are_refused(aws: Aws) -> None:
 
 
 def test_spot_nodes_are_checked_against_the_spot_quota(aws: Aws) -> None:
-    zone(aws)
-    offerings(aws, WANTED, WANTED)
-    instance_types(aws, WANTED)
-    quota(aws, "L-1216C47A", 640)
-    quota(aws, "L-6B0D517C", 128)
-    fsx_quota(aws, 100800)
+    account(aws, trn=("L-6B0D517C", 128))
     (problem,) = problems(aws, default_properties(type="spot"))
     assert problem.startswith('Service Quotas: "All Trn Spot Instance Requests" (L-6B0D517C) is 128 vCPUs')
 
@@ -222,11 +216,7 @@ def reservation(**changes: Any) -> dict[str, Any]:
 
 
 def block_account(aws: Aws, found: dict[str, Any]) -> None:
-    zone(aws)
-    offerings(aws, WANTED, WANTED)
-    instance_types(aws, WANTED)
-    quota(aws, "L-1216C47A", 640)  # a block's nodes count against no vCPU quota
-    fsx_quota(aws, 100800)
+    account(aws, trn=None)  # a block's nodes count against no vCPU quota
     aws.stub("ec2").add_response(
         "describe_capacity_reservations", {"CapacityReservations": [found]}, {"CapacityReservationIds": [RESERVATION]}
     )
@@ -273,12 +263,7 @@ def test_a_capacity_block_must_be_active_and_fit(aws: Aws, changes: dict[str, An
 
 
 def test_a_reservation_that_does_not_exist_is_one_line(aws: Aws) -> None:
-    zone(aws)
-    offerings(aws, WANTED, WANTED)
-    instance_types(aws, WANTED)
-    quota(aws, "L-1216C47A", 640)
-    quota(aws, "L-2C3B7624", 512)
-    fsx_quota(aws, 100800)
+    account(aws)
     aws.stub("ec2").add_client_error(
         "describe_capacity_reservations",
         "InvalidCapacityReservationId.NotFound",
