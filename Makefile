@@ -12,7 +12,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 # Offline: never reach for instance metadata when looking for credentials.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: image-config deps tools synth synth-all demo slurm-up slurm-down slurm-status test test-neuron lint snapshots schemas lock cost clean
+.PHONY: image-config deps tools synth synth-all demo slurm-up slurm-down slurm-status test test-fast test-neuron lint snapshots schemas lock cost clean
 
 deps: $(VENV)/.installed node_modules/.installed
 
@@ -66,6 +66,10 @@ slurm-status: deps
 test: deps tools lint
 	$(VPY) -m pytest
 	$(MAKE) --no-print-directory test-neuron
+
+## The edit loop's subset: configuration, layouts, templates and model checks (tests/conftest.py FAST_MODULES).
+test-fast: deps
+	$(VPY) -m pytest -m fast
 
 ## The neuron tier: neuronx-distributed on torch-xla's CPU device, in its own environment with the cluster's
 ## locked requirement set (built once under ~/.cache/trainium-training; NXD_SOURCE: the NxD source archive).

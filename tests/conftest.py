@@ -25,3 +25,26 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if os.environ.get("CI") == "true" and skipped and exitstatus == 0:
         reporter.write_line(f"CI: {len(skipped)} test(s) skipped; every test must run in CI", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# The edit loop's subset (`make test-fast`, `pytest -m fast`): pure configuration, layout, template and model
+# checks that need no Slurm, no torchrun, no CDK synth and no neuron tier; a few minutes on 2 cores.
+FAST_MODULES = frozenset(
+    {
+        "tests/training/test_recipe.py",
+        "tests/training/test_site.py",
+        "tests/training/test_setting_ranges.py",
+        "tests/training/test_loader.py",
+        "tests/training/test_layouts.py",
+        "tests/training/test_recompute.py",
+        "tests/training/test_throughput_model.py",
+        "tests/pipeline/test_templates.py",
+        "tests/pipeline/test_job_settings.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(ROOT).as_posix() in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)

@@ -25,7 +25,8 @@
 #   --bake        (an image build) the pinned Neuron apt packages and driver only (stacks/node_image.py).
 #   compute node  apt: Neuron driver, runtime, collectives and tools pinned to the release (skipped when
 #                 a baked image already has exactly these versions);
-#                 removes the node's own hostname line from /etc/hosts (trn1 multi-NIC fix).
+#                 removes the node's own hostname line from /etc/hosts (trn1 multi-NIC fix);
+#                 reserves the training jobs' rendezvous ports (net.ipv4.ip_local_reserved_ports).
 #   --environment (head and Trainium compute nodes) systemd units publishing CloudWatch metrics with the
 #                 pipeline's code: the head node a timer running `monitor cluster` every minute, each
 #                 Trainium node a service running `monitor neuron` (see "monitoring" below).
@@ -35,7 +36,7 @@
 #   --refresh     (head node) runs again with the arguments its first run recorded (ARGUMENTS_FILE).
 #
 # Tests source this file and call its functions; main only runs when the file is executed.
-# Overridable for tests: OS_RELEASE_FILE, PCLUSTER_CFNCONFIG, HOSTS_FILE, ARGUMENTS_FILE.
+# Overridable for tests: OS_RELEASE_FILE, PCLUSTER_CFNCONFIG, HOSTS_FILE, ARGUMENTS_FILE, SYSCTL_DIR.
 set -euo pipefail
 
 # =====================================================================================
@@ -466,6 +467,39 @@ fix_etc_hosts() {
   cat "${tmp}" >"${hosts_file}"
   rm -f "${tmp}"
   log "${hosts_file}: removed the lines mapping ${names[*]}"
+}
+
+# ----------------------------------------------------------------------------- rendezvous ports
+
+# torchrun's rendezvous ports: the pipeline's distributed jobs listen on one of them (MASTER_PORT, chosen by the job
+# id). They lie below Linux's ephemeral ports (net.ipv4.ip_local_port_range, 32768-60999 by default) and are
+# reserved as well, as neuronx-distributed's launchers reserve their 44000, so that no outgoing connection of the
+# node can hold one when a job starts, even where the ephemeral range was widened. The same range as
+# training.pipeline.runs.RENDEZVOUS_PORTS (a test holds them equal).
+RENDEZVOUS_PORTS="31000-31099"
+RESERVED_PORTS_KEY="net.ipv4.ip_local_reserved_ports"
+SYSCTL_DIR="${SYSCTL_DIR:-/etc/sysctl.d}"
+RESERVED_PORTS_FILE="90-trainium-rendezvous-ports.conf"
+
+# Reserve RENDEZVOUS_PORTS now (sysctl -w) and at every boot (a drop-in of /etc/sysctl.d), keeping any ports
+# reserved already. A failure is logged, not fatal: the ports are outside the ephemeral range anyway.
+reserve_rendezvous_ports() {
+  local current value
+  current=$(sysctl -n "${RESERVED_PORTS_KEY}" 2>/dev/null) || current=""
+  case ",${current}," in
+    *",${RENDEZVOUS_PORTS},"*) value=${current} ;;
+    *) value="${current:+${current},}${RENDEZVOUS_PORTS}" ;;
+  esac
+  if [[ "${DRY_RUN}" != 1 ]]; then
+    install -d -m 0755 "${SYSCTL_DIR}"
+  fi
+  write_file "${SYSCTL_DIR}/${RESERVED_PORTS_FILE}" "${RESERVED_PORTS_KEY} = ${value}"
+  if run sysctl -q -w "${RESERVED_PORTS_KEY}=${value}"; then
+    log "reserved the rendezvous ports ${RENDEZVOUS_PORTS} (${RESERVED_PORTS_KEY} = ${value})"
+  else
+    log "WARNING: could not reserve the rendezvous ports ${RENDEZVOUS_PORTS}; ${SYSCTL_DIR}/${RESERVED_PORTS_FILE}" \
+      "reserves them at the next boot"
+  fi
 }
 
 # ----------------------------------------------------------------------------- node settings
@@ -1231,6 +1265,7 @@ main() {
       else
         fix_etc_hosts "$(hostname -s)" "$(hostname)"
       fi
+      reserve_rendezvous_ports
       check_devices
       check_shared_env_visible
       install_monitoring_units neuron

@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.neuron.one_rank import free_port, one_rank_neuron_backend
 from training.formats.convert import ConvertOptions, convert
 from training.formats.readers import lazy_tensors, open_checkpoint_file
 from training.local.tiny import build_tiny_world
@@ -78,7 +78,8 @@ def metrics(checkpoints: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runs(worlds: dict[str, dict[str, Path]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each tiny recipe once per backend, same settings, ZeRO-1 on (the recipes' default)."""
+    """Each tiny recipe once per backend, same settings (at DP 1 the job runs without ZeRO-1, as NxD's
+    launchers do; `test_zero1_keeps_each_regimes_dtypes` runs NxD's ZeRO-1 optimizer itself)."""
     done: dict[str, Path] = {}
     for architecture, world in worlds.items():
         for backend in ("cpu", "neuron"):
@@ -257,33 +258,10 @@ def test_xser_checkpoints_convert_like_plain_ones(runs: dict[str, Path], xser_ru
     assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture
-def neuron_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """This process as a one-rank torchrun job on the neuron backend."""
-    from training.config.recipe import OptimizerSection
-    from training.model import parallel
-    from training.train.optimizer import neuron_trainer_options
-
-    for name, value in {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    parallel.initialize(1, "neuron", neuron_options=neuron_trainer_options(OptimizerSection(lr=1e-3)))
-    try:
+def neuron_backend() -> Iterator[None]:
+    with one_rank_neuron_backend():
         yield
-    finally:
-        parallel.destroy()
 
 
 @pytest.mark.parametrize("xser", [False, True], ids=["plain", "xser"])

@@ -24,7 +24,7 @@ from training.config.loading import ONE_LINE, ConfigError
 from training.config.recipe import RECIPES_DIR, Recipe, load_recipe
 from training.config.site import Site, load_site
 from training.errors import UserError
-from training.pipeline.runs import plan_run, processes_per_node, render
+from training.pipeline.runs import RENDEZVOUS_PORTS, plan_run, processes_per_node, render
 
 # A command substitution, a backtick command, both quotes and spaces: in a value, all of it is text.
 PAYLOAD = "x $(touch PWNED) `touch PWNED_TICK` ' \" y"
@@ -87,7 +87,7 @@ def world(tmp_path: Path) -> World:
     python_bin = root / f"env {PAYLOAD}" / "bin"
     slurm_bin = root / f"slurm {PAYLOAD}"
     stand_in(python_bin / "python", 'exit "${FAKE_STATUS:-0}"\n')
-    stand_in(python_bin / "neuron_parallel_compile", 'exec "$@"\n')
+    stand_in(python_bin / "neuron_parallel_compile", 'while [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
     stand_in(slurm_bin / "srun", 'while [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
     stand_in(slurm_bin / "scontrol", SCONTROL)
     cwd = root / "cwd"
@@ -177,7 +177,7 @@ def assert_nothing_ran(world: World) -> None:
     assert not ran, f"an embedded command ran: {ran}"
 
 
-def expected_python_argv(world: World, recipe: Recipe, stage: str, nproc: str) -> list[str]:
+def expected_python_argv(world: World, recipe: Recipe, site: Site, stage: str, nproc: str) -> list[str]:
     """The interpreter's arguments each stage must arrive at, value by value."""
     run, python = world.run_dir, str(world.python)
     if stage == "prepare":
@@ -193,8 +193,8 @@ def expected_python_argv(world: World, recipe: Recipe, stage: str, nproc: str) -
         return argv + (["--pp", str(recipe.parallelism.pp)] if recipe.parallelism.pp > 1 else [])
     if stage in ("compile", "train"):
         argv = [python, "-m", "torch.distributed.run", "--nnodes", str(recipe.nodes), "--node_rank", "0"]
-        argv += ["--nproc_per_node", str(processes_per_node(recipe)), "--master_addr", "127.0.0.1"]
-        argv += ["--master_port", str(20000 + JOB_ID % 20000), "-m", "training", "train"]
+        argv += ["--nproc_per_node", str(processes_per_node(recipe, site)), "--master_addr", "127.0.0.1"]
+        argv += ["--master_port", str(RENDEZVOUS_PORTS[JOB_ID % len(RENDEZVOUS_PORTS)]), "-m", "training", "train"]
         return argv + ["--recipe", f"{run}/recipe.yaml", "--compile" if stage == "compile" else "--resume"]
     if stage == "convert-out":
         argv = [python, "-m", "training", "convert", "--from", "nxd", "--to", "hf"]
@@ -214,7 +214,8 @@ def expected_python_argv(world: World, recipe: Recipe, stage: str, nproc: str) -
 def test_hostile_values_arrive_intact_and_never_run(world: World, recipe_name: str, neuron: bool) -> None:
     recipe = hostile_recipe(world, recipe_name)
     assert recipe.name == PAYLOAD and recipe.prepare is not None and recipe.prepare.source == PAYLOAD
-    scripts = render(plan_run(recipe, hostile_site(world, neuron=neuron), RUN_ID))
+    site = hostile_site(world, neuron=neuron)
+    scripts = render(plan_run(recipe, site, RUN_ID))
     assert list(scripts) == ["prepare", "convert-in", "compile", "train", "convert-out", "sample", "export"]
     for stage, text in scripts.items():
         distributed = stage in ("compile", "train")
@@ -224,19 +225,20 @@ def test_hostile_values_arrive_intact_and_never_run(world: World, recipe_name: s
         call = python_calls[0]
         nproc = call["argv"][call["argv"].index("--num-proc") + 1] if stage == "prepare" else ""
         assert nproc.isdigit() == (stage == "prepare")  # `"$(nproc)"`, the one substitution meant to run
-        assert call["argv"] == expected_python_argv(world, recipe, stage, nproc), stage
+        assert call["argv"] == expected_python_argv(world, recipe, site, stage, nproc), stage
         assert (world.run_dir / "state" / f"{stage}.done").is_file()
         assert (world.cwd / "setup-ran").read_text() == "setup ran\n"  # the site's setup line ran, as code
         if neuron:  # the Neuron environment's directory first on PATH, the cache as one flag, both intact
             assert call["path"] == str(world.python.parent)
-            assert call["cc_flags"] == f"--model-type transformer --cache_dir={world.cache}"
+            assert call["cc_flags"] == f"--model-type=transformer --cache_dir={world.cache}"
         if distributed:
             srun = [r["argv"] for r in records if r["argv"][0] == str(world.slurm_bin / "srun")]
             assert len(srun) == 1 and srun[0][1:4] == ["--kill-on-bad-exit=1", "bash", "-c"]
             hosts = [r["argv"][1:] for r in records if r["argv"][0] == str(world.slurm_bin / "scontrol")]
             assert hosts == [["show", "hostnames", "node-1"], ["show", "node", "node-1"]]
             launched = [r["argv"][1:] for r in records if r["argv"][0].endswith("/neuron_parallel_compile")]
-            assert launched == ([call["argv"]] if neuron and stage == "compile" else [])
+            retried = ["--retry_failed_compilation", *call["argv"]]  # the recipe's default, retry on
+            assert launched == ([retried] if neuron and stage == "compile" else [])
 
 
 def test_a_failed_training_job_requeues_itself_through_the_hostile_slurm_path(world: World) -> None:

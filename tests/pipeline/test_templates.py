@@ -60,7 +60,10 @@ def test_cluster_scripts_carry_the_cluster_settings() -> None:
         assert "gpu" not in text.lower() and "cuda" not in text.lower() and "nccl" not in text.lower()
     assert "#SBATCH --nodes=4\n" in scripts["train"] and "#SBATCH --requeue\n" in scripts["train"]
     assert "--nproc_per_node 32" in scripts["train"] and '--node_rank "${SLURM_NODEID}"' in scripts["train"]
-    assert "'/fsx/envs/neuron-2.28.1/bin/neuron_parallel_compile /fsx/envs/neuron-" in scripts["compile"]
+    assert (
+        "'/fsx/envs/neuron-2.28.1/bin/neuron_parallel_compile --retry_failed_compilation /fsx/envs/neuron-"
+        in scripts["compile"]
+    )
     assert "--compile'" in scripts["compile"] and "--resume'" in scripts["train"]
     assert "/opt/slurm/bin/scontrol show hostnames" in scripts["train"]
     for stage, text in scripts.items():  # non-login shells on the cluster have neither on PATH

@@ -6,6 +6,7 @@ the environment file in tests/infra/test_config.py."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from training.cli import main
-from training.local.tiny import build_tiny_world
+from training.data.prepare import SftOptions, prepare_sft
+from training.local.tiny import build_tiny_world, write_jsonl
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (DEBUG|INFO|WARNING|ERROR) ")  # training.logs
 
@@ -100,6 +102,18 @@ CASES: dict[str, Bad] = {
     "seq_len unlike the data's": Bad(
         train("batch.seq_len=128"), "batch.seq_len 128 differs from the data's seq_len 64"
     ),
+    "sft data for a pretraining recipe": Bad(
+        train("data.path={world}/sft-data"), "but the recipe trains on pretrain data (prepare.kind pretrain)"
+    ),
+    "pretraining data for data.kind sft": Bad(
+        train("data.kind=sft"), "holds `prepare pretrain` data, but the recipe trains on sft data (data.kind sft)"
+    ),
+    "data.kind not a kind": Bad(train("data.kind=chat"), "data.kind: 'chat' is not allowed; allowed: pretrain, sft"),
+    "global batch beyond the data's blocks": Bad(train("batch.global=4096"), "batch.global: 4096 is not allowed"),
+    "validation beyond its split's blocks": Bad(
+        train("data.validation_split=train data.validation_every=2 data.validation_batches=4096"),
+        "data.validation_batches: 4096 is not allowed",
+    ),
     # plan
     "plan of an unknown model": Bad(
         "plan --recipe tiny-llama-cpt model.config={tmp}/My-Model", "{tmp}/My-Model: no config.json there"
@@ -107,6 +121,14 @@ CASES: dict[str, Bad] = {
     # submit, status, cancel and the site file
     "submit an unknown recipe": Bad(f"submit --recipe nope --dry-run {SITE}", "allowed: a recipe file"),
     "submit with a malformed override": Bad(f"submit --recipe tiny-llama-cpt --dry-run steps {SITE}", "key=value"),
+    "submit with data.kind unlike prepare.kind": Bad(
+        f"submit --recipe tiny-llama-cpt --dry-run data.kind=sft {SITE}",
+        "data.kind: 'sft' is not allowed; allowed: pretrain as prepare.kind",
+    ),
+    "submit of sft data for data.kind pretrain": Bad(
+        f"submit --recipe tiny-llama-cpt --dry-run prepare= data.path={{world}}/sft-data data.kind=pretrain {SITE}",
+        "but the recipe trains on pretrain data (data.kind pretrain)",
+    ),
     "submit with a run id with a space": Bad(
         f"submit --recipe tiny-llama-cpt --dry-run --run-id a&b {SITE}", "--run-id 'a&b'"
     ),
@@ -151,6 +173,15 @@ CASES: dict[str, Bad] = {
 def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("bad-inputs")
     build_tiny_world(root, "llama", tp=1)
+    # `prepare sft` data for the same model: 64 short chats to train on, one (a single block) to validate on.
+    chats = [
+        [{"role": "user", "content": f"question {n}"}, {"role": "assistant", "content": f"answer {n}"}]
+        for n in range(64)
+    ]
+    source = write_jsonl(root / "chats.jsonl", ({"messages": c} for c in chats))
+    one = write_jsonl(root / "one-chat.jsonl", [{"messages": chats[0]}])
+    tokenizer = str(root / "tokenizer")
+    prepare_sft(SftOptions(str(source), tokenizer, seq_len=64, out=root / "sft-data", validation=str(one)))
     return root
 
 
@@ -204,3 +235,67 @@ def run(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as exit:
         return int(exit.code or 0)
+
+
+def blocks(data: Path, split: str = "train") -> int:
+    """The blocks `prepare` recorded for a split (pretraining data is one split)."""
+    manifest = json.loads((data / "manifest.json").read_text())
+    return int(manifest["blocks"] if manifest["kind"] == "pretrain" else manifest["splits"][split]["blocks"])
+
+
+def test_data_unfit_for_the_recipe_is_named_in_one_exact_line(
+    world: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Data of the other kind, and a step or a validation needing more blocks than the split has, are refused
+    before any process group exists: the line names data.path, the key, what was found and what is allowed."""
+    monkeypatch.chdir(tmp_path)
+    pretrain, sft = world / "data", world / "sft-data"
+    rows, validation_rows = blocks(pretrain), blocks(sft, "validation")
+    pairs = rows // 2 + 1  # micro batches of 2 that take more than the rows
+    assert validation_rows < 2  # below one validation micro batch of 2
+    validate = "data.validation_every=2 data.validation_split={split}"
+    cases = {
+        "data.path={world}/sft-data": (
+            f"data.path {sft}: holds `prepare sft` data, but the recipe trains on pretrain data (prepare.kind "
+            "pretrain); allowed: data made by `prepare pretrain`, or set data.kind to sft to train on sft data on "
+            "purpose"
+        ),
+        "prepare.kind=sft": (
+            f"data.path {pretrain}: holds `prepare pretrain` data, but the recipe trains on sft data (prepare.kind "
+            "sft); allowed: data made by `prepare sft`, or set data.kind to pretrain to train on pretrain data on "
+            "purpose"
+        ),
+        f"batch.global={2 * pairs}": (
+            f"batch.global: {2 * pairs} is not allowed; allowed: at most the {rows} sequences of 64 tokens "
+            f"(batch.seq_len) in the train split of data.path {pretrain}, so that no step takes a block twice; or "
+            "prepare more data"
+        ),
+        validate.format(split="train") + f" data.validation_batches={pairs}": (
+            f"data.validation_batches: {pairs} is not allowed; allowed: at most {rows // 2}: each takes "
+            f"batch.micro 2 x 1 data-parallel ranks = 2 of the {rows} sequences of the train split of data.path "
+            f"{pretrain}, and a validation reads each block once"
+        ),
+        "data.path={world}/sft-data data.kind=sft " + validate.format(split="validation"): (
+            "data.validation_split: 'validation' is not allowed; allowed: a split of at least batch.micro 2 x 1 "
+            f"data-parallel ranks = 2 sequences; the {validation_rows} sequences of the validation split of "
+            f"data.path {sft} are fewer"
+        ),
+    }
+    for overrides, expected in cases.items():
+        status = run(train(overrides).format(world=world, tmp=tmp_path).split())
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not LOG_LINE.match(line)]
+        assert (status, lines) == (2, [f"error: {expected}"]), overrides
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_data_kind_trains_on_data_of_the_other_kind_on_purpose(
+    world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Continued pretraining on SFT blocks: `data.kind: sft` says so, and the run and its submission go ahead."""
+    monkeypatch.chdir(tmp_path)
+    populate(tmp_path)
+    on_purpose = "data.path={world}/sft-data data.kind=sft"
+    assert run(train(f"{on_purpose} steps=2").format(world=world, tmp=tmp_path).split()) == 0
+    assert (tmp_path / "checkpoints").is_dir()
+    submit = f"submit --recipe tiny-llama-cpt --dry-run prepare= {on_purpose} {SITE}"
+    assert run(submit.format(world=world, tmp=tmp_path).split()) == 0

@@ -37,6 +37,7 @@ from training.train.memory import (
     saved_activation_bytes,
     workload_of,
 )
+from training.train.optimizer import zero1_where_it_shards
 
 WORKER = Path(__file__).with_name("memory_worker.py")
 WORLD = 4
@@ -250,14 +251,14 @@ def test_mixtral_recipe_fits_two_nodes_with_headroom() -> None:
     the document's TP 8 x PP 8 as an override: both fit 2 nodes with the required headroom."""
     recipe = load_recipe("mixtral-8x7b-sft")
     assert (recipe.nodes, recipe.parallelism.tp, recipe.parallelism.pp, recipe.precision) == (2, 32, 2, "bf16-sr")
-    result = plan(workload_of(recipe, model_config_of("mixtral-8x7b-sft"), DEFAULT_HARDWARE))
-    assert result.fits and result.headroom >= 0.30
+    chosen = plan(workload_of(recipe, model_config_of("mixtral-8x7b-sft"), DEFAULT_HARDWARE))
+    assert chosen.fits and chosen.headroom >= 0.30
     assert refusal(recipe, DEFAULT_HARDWARE) is None
     documents = ["parallelism.tp=8", "parallelism.pp=8", "parallelism.kv_size_multiplier=1"]
     documents.append("parallelism.sequence_parallel=false")
     document = load_recipe("mixtral-8x7b-sft", documents)
     result = plan(workload_of(document, model_config_of("mixtral-8x7b-sft"), DEFAULT_HARDWARE))
-    assert result.fits and REQUIRED_HEADROOM <= result.headroom < 0.30
+    assert result.fits and REQUIRED_HEADROOM <= result.headroom < chosen.headroom
 
 
 def test_the_cheapest_fix_adds_pipeline_stages_before_nodes() -> None:
@@ -293,6 +294,27 @@ def test_plan_command_prints_the_breakdown_and_exits_by_fit(capsys: pytest.Captu
     assert data["fits"] is False and data["hbm_gib"] == 16.0 and data["per_core_gib"] > 30
     assert data["headroom"] == pytest.approx(1 - data["per_core_gib"] / data["hbm_gib"], abs=1e-3)
     assert data["fix"]["overrides"] and data["parameters_per_core"] > 1e9
+
+
+def test_zero1_is_planned_and_run_only_where_data_parallelism_shards_it(caplog: pytest.LogCaptureFixture) -> None:
+    """Mixtral at TP 32 x PP 2 on 2 nodes has DP 1: the job turns ZeRO-1 off in one log line (as NxD's Mixtral
+    launcher does) and the planner counts the optimizer state it really keeps; at DP 2 ZeRO-1 stays on."""
+    recipe = load_recipe("mixtral-8x7b-sft")
+    assert recipe.optimizer.zero1
+    with caplog.at_level("INFO"):
+        off = zero1_where_it_shards(recipe, dp=1)
+    assert not off.optimizer.zero1 and recipe.optimizer.zero1  # a copy; the recipe itself is unchanged
+    assert [r.getMessage() for r in caplog.records] == [
+        "optimizer.zero1: off for this run: data parallelism is 1, so there is no optimizer state to shard"
+    ]
+    assert zero1_where_it_shards(recipe, dp=2) is recipe
+    config = model_config(recipe)
+    assert config is not None
+    staged = workload_of(recipe, config, DEFAULT_HARDWARE)
+    assert staged.dp == 1 and not staged.zero1
+    unstaged_recipe = load_recipe("mixtral-8x7b-sft", ["parallelism.pp=1"])
+    unstaged = workload_of(unstaged_recipe, config, DEFAULT_HARDWARE)
+    assert unstaged.dp == 2 and unstaged.zero1
 
 
 def test_plan_of_an_unknown_model_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

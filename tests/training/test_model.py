@@ -26,7 +26,14 @@ from training.errors import UserError
 from training.formats.convert import ConvertOptions, convert
 from training.formats.layouts import ModelSpec, Parallelism, all_rules, default_kv_multiplier, hf_shapes
 from training.model import parallel
-from training.model.transformer import Execution, build_model, initial_tensor, model_flops_per_token
+from training.model.transformer import (
+    PREFIX_SUM_BLOCK,
+    Execution,
+    build_model,
+    initial_tensor,
+    model_flops_per_token,
+    queue_positions,
+)
 
 WORKER = Path(__file__).with_name("model_worker.py")
 ATOL = 1e-5
@@ -423,6 +430,44 @@ def capacity_reference(moe: torch.nn.Module, x: torch.Tensor, capacity_factor: f
             gate, up = (x[t] @ gate_up[e]).chunk(2)
             output[t] += (torch.nn.functional.silu(gate) * up) @ down[e] * float(weights[t, j]) / norm
     return output, dropped
+
+
+@pytest.mark.parametrize("rows", [1, 37, PREFIX_SUM_BLOCK, PREFIX_SUM_BLOCK + 1, 2 * PREFIX_SUM_BLOCK + 300])
+def test_queue_positions_are_the_running_count_without_cumsum(rows: int) -> None:
+    """The matmul prefix sum equals torch.cumsum across block boundaries, and calls no cumsum (the op XLA
+    lowers to the reduce-window neuronx-cc fails on)."""
+    chosen = (torch.rand(rows, 8, generator=torch.Generator().manual_seed(rows)) < 0.3).long()
+    with TorchCalls() as calls:
+        positions = queue_positions(chosen)
+    assert torch.equal(positions, torch.cumsum(chosen, dim=0) - 1)
+    assert "cumsum" not in calls.names and "matmul" in calls.names
+
+
+class TorchCalls(torch.overrides.TorchFunctionMode):
+    """Records the names of the torch functions and tensor methods called inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_router_runs_in_fp32_in_a_bf16_model(tmp_path: Path, single_process: None) -> None:
+    """As neuronx-distributed's router: logits, softmax and top-k in fp32 whatever the model's dtype, so
+    bf16 rounding never flips a near-tie between experts; the capacity dispatch runs without any cumsum."""
+    config = config_of(mixtral(tmp_path / "hf", layers=1))
+    model = build_model(config, seed=3, dtype=torch.bfloat16, capacity_factor=1.0, router_aux_loss=True)
+    moe = model.model.layers["0"].mlp
+    x = torch.randn(40, config["hidden_size"], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with TorchCalls() as calls:
+        output, logits = moe(x)
+    assert output.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    weight = moe.router.linear_router.weight.float()
+    torch.testing.assert_close(logits, x.float() @ weight.t(), rtol=1e-6, atol=1e-6)
+    assert "cumsum" not in calls.names
 
 
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 2.0])

@@ -171,6 +171,7 @@ def test_every_other_declaration_is_torch_xla() -> None:
     others = {d.name: f"{d.module}.{d.attribute}" for d in DECLARATIONS.values() if d not in NXD_DECLARATIONS}
     assert others == {
         "add_step_closure": "torch_xla.core.xla_model.add_step_closure",
+        "rendezvous": "torch_xla.core.xla_model.rendezvous",
     }
 
 

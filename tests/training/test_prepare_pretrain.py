@@ -79,6 +79,7 @@ def test_dataset_stores_input_ids_once_as_int32(corpus: Path, llama_tokenizer: P
     for key in ("source", "tokenizer", "seq_len", "documents", "tokens", "blocks", "dropped_tokens", "elapsed_seconds"):
         assert key in manifest
     assert len(manifest["tokenizer"]["sha256"]) == 64
+    assert manifest["kind"] == "pretrain"  # what the training job holds against the recipe's kind
 
 
 def test_output_is_identical_whatever_the_thread_count(corpus: Path, llama_tokenizer: Path, tmp_path: Path) -> None:

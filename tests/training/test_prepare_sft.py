@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,8 @@ def test_validation_split_is_kept(chats: Path, llama_tokenizer: Path, tmp_path: 
     assert sorted(dataset) == ["train", "validation"]
     assert dataset["validation"].num_rows == manifest["splits"]["validation"]["blocks"] == 1
     assert dataset["train"].features["labels"] == datasets.List(datasets.Value("int32"), length=256)
+    on_disk = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["kind"] == on_disk["kind"] == "sft"  # what the training job holds against the recipe's kind
 
 
 def test_output_is_identical_whatever_the_thread_count(chats: Path, llama_tokenizer: Path, tmp_path: Path) -> None:

@@ -116,6 +116,80 @@ def test_each_recipe_rule_rejects_with_one_line(overrides: list[str], problem: s
     assert str(caught.value) == f"{RECIPES_DIR / 'tiny-llama-cpt.yaml'}: {problem}"
 
 
+COMPILER_FLAG = (
+    "one compiler flag starting with '-', its value joined with '=' (e.g. --model-type=transformer), without "
+    "whitespace, quotes or backslashes; not --cache_dir (the site's compile_cache sets it)"
+)
+
+
+def test_the_document_recipes_carry_nxds_neuron_settings_per_model() -> None:
+    llama, mixtral = load_recipe("llama31-8b-cpt").neuron, load_recipe("mixtral-8x7b-sft").neuron
+    assert (llama.compiler_flags, llama.inflight_requests, llama.retry_failed_compilation) == (
+        ("--model-type=transformer",),
+        3,
+        True,
+    )
+    assert (mixtral.compiler_flags, mixtral.inflight_requests, mixtral.retry_failed_compilation) == (
+        ("--model-type=transformer", "--enable-saturate-infinity"),
+        7,
+        True,
+    )
+    # A recipe without the section gets NxD's Llama values, retry on.
+    assert load_recipe("tiny-llama-cpt").neuron == llama
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (
+            '["--cache_dir=/tmp/cache"]',
+            f"neuron.compiler_flags[0]: '--cache_dir=/tmp/cache' is not allowed; allowed: {COMPILER_FLAG}",
+        ),
+        (
+            '["-O1", "--cache-dir=/x"]',
+            f"neuron.compiler_flags[1]: '--cache-dir=/x' is not allowed; allowed: {COMPILER_FLAG}",
+        ),
+        (
+            '["--model-type transformer"]',
+            f"neuron.compiler_flags[0]: '--model-type transformer' is not allowed; allowed: {COMPILER_FLAG}",
+        ),
+        ('["transformer"]', f"neuron.compiler_flags[0]: 'transformer' is not allowed; allowed: {COMPILER_FLAG}"),
+        ("[\"--flag='x'\"]", f"neuron.compiler_flags[0]: \"--flag='x'\" is not allowed; allowed: {COMPILER_FLAG}"),
+        ('["-"]', f"neuron.compiler_flags[0]: '-' is not allowed; allowed: {COMPILER_FLAG}"),
+        ("[3]", "neuron.compiler_flags[0]: 3 is not allowed; allowed: a string"),
+        (
+            "--enable-saturate-infinity",
+            "neuron.compiler_flags: '--enable-saturate-infinity' is not allowed; allowed: a list of strings",
+        ),
+    ],
+)
+def test_a_bad_compiler_flag_is_refused_in_one_line(value: str, problem: str) -> None:
+    with pytest.raises(UserError) as caught:
+        load_recipe("tiny-llama-cpt", [f"neuron.compiler_flags={value}"])
+    assert str(caught.value) == f"{RECIPES_DIR / 'tiny-llama-cpt.yaml'}: {problem}"
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        ("neuron.inflight_requests=0", "neuron.inflight_requests: 0 is not allowed; allowed: an integer above 0"),
+        (
+            "neuron.retry_failed_compilation=1",
+            "neuron.retry_failed_compilation: 1 is not allowed; allowed: true or false",
+        ),
+        (
+            "neuron.cache_dir=/x",
+            "neuron.cache_dir: unknown key; allowed keys here: compiler_flags, inflight_requests, "
+            "retry_failed_compilation",
+        ),
+    ],
+)
+def test_the_other_neuron_settings_are_refused_in_one_line(override: str, problem: str) -> None:
+    with pytest.raises(UserError) as caught:
+        load_recipe("tiny-llama-cpt", [override])
+    assert str(caught.value) == f"{RECIPES_DIR / 'tiny-llama-cpt.yaml'}: {problem}"
+
+
 def test_duplicate_keys_are_an_error(tmp_path: Path) -> None:
     recipe = tmp_path / "twice.yaml"
     recipe.write_text((RECIPES_DIR / "tiny-llama-cpt.yaml").read_text() + "steps: 40\n")

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from training.config.recipe import Precision
 
-# What the training job exports on Neuron, per regime. XLA_USE_BF16 / XLA_DOWNCAST_BF16 are gone from the
-# Neuron 2.28 stack: the model is built in bf16 instead. Standard mixed precision turns stochastic rounding
-# off (the fp32 master weights keep the small updates); bf16-sr depends on it.
+# What the training job exports on Neuron, per regime. XLA_USE_BF16 / XLA_DOWNCAST_BF16 are deprecated (torch-xla
+# 2.9 still honours them, with a warning, and would turn every fp32 tensor into bf16): the model is built in bf16
+# instead and the job unsets both. Standard mixed precision turns stochastic rounding off (the fp32 master
+# weights keep the small updates); bf16-sr depends on it.
 NEURON_ENVIRONMENT: dict[Precision, dict[str, str]] = {
     "fp32": {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"},
     "bf16-mixed": {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"},

@@ -11,7 +11,8 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, Strict
+from pydantic import AfterValidator, Field, Strict
+from pydantic_core import PydanticCustomError
 
 from training.config.loading import (
     ONE_LINE,
@@ -51,6 +52,29 @@ SeqLen = Annotated[int, Strict(), Field(ge=2, le=MAX_SEQ_LEN), Allowed(f"2 to {M
 GlobalBatch = Annotated[int, Strict(), Field(ge=1, le=MAX_GLOBAL_BATCH), Allowed(f"1 to {MAX_GLOBAL_BATCH} sequences")]
 # numpy's legacy seeding (`np.random.seed`, which the training job calls) takes 32-bit unsigned seeds only.
 Seed = Annotated[int, Strict(), Field(ge=0, le=2**32 - 1), Allowed(f"0 to {2**32 - 1}")]
+# Flags the site owns: the compile cache is where the site keeps it (its `compile_cache`), for every recipe alike.
+SITE_COMPILER_FLAGS = ("--cache_dir",)
+
+
+def _not_a_site_flag(flag: str) -> str:
+    name = flag.partition("=")[0].lstrip("-").replace("-", "_")
+    if any(name == owned.lstrip("-") for owned in SITE_COMPILER_FLAGS):
+        raise PydanticCustomError("site_compiler_flag", "a flag the site sets")
+    return flag
+
+
+# One item of NEURON_CC_FLAGS, a single string that the Neuron tools split on whitespace: one flag an item, its
+# value joined with `=` (neuronx-cc reads `--model-type=transformer` as `--model-type transformer`).
+CompilerFlag = Annotated[
+    str,
+    Strict(),
+    Field(pattern=r"""^-[^\s'"\\\x00-\x1f\x7f]+$"""),
+    AfterValidator(_not_a_site_flag),
+    Allowed(
+        "one compiler flag starting with '-', its value joined with '=' (e.g. --model-type=transformer), without "
+        "whitespace, quotes or backslashes; not --cache_dir (the site's compile_cache sets it)"
+    ),
+]
 
 
 class ModelSection(StrictModel):
@@ -60,6 +84,12 @@ class ModelSection(StrictModel):
 
 class DataSection(StrictModel):
     path: Str = Field(description="output directory of `python -m training prepare`")
+    kind: Literal["pretrain", "sft"] | None = Field(
+        None,
+        description="which kind of prepared data (`prepare pretrain` or `prepare sft`) the recipe trains on; "
+        "default: prepare.kind. Set it to train on data of the other kind on purpose (e.g. continued pretraining "
+        "on SFT blocks) or to have a recipe without a prepare section checked",
+    )
     split: Str = "train"
     shuffle: Bool = Field(
         True, description="a new seeded order each epoch; the data position stays a function of the step"
@@ -104,6 +134,33 @@ class MoeSection(StrictModel):
         description="expert capacity = ceil(tokens x top-k x factor / experts) per micro batch; choices beyond it "
         "are dropped and counted (moe_dropped in the metrics). Omit: nothing dropped, every expert runs every token "
         "on Neuron",
+    )
+
+
+class NeuronSection(StrictModel):
+    """The Neuron compiler's and runtime's settings of the recipe's Slurm jobs (on a site with `neuron: true`).
+
+    The defaults are neuronx-distributed's Llama training example's (REFERENCE.md section 7); a model that needs
+    others says so in its recipe (mixtral-8x7b-sft: NxD's Mixtral run's)."""
+
+    compiler_flags: tuple[CompilerFlag, ...] = Field(
+        ("--model-type=transformer",),
+        description="NEURON_CC_FLAGS of every job, one flag an item (a value joined with '='); the site's "
+        "--cache_dir=<compile_cache> is added after them",
+    )
+    inflight_requests: PositiveInt = Field(
+        3,
+        description="NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS: executions the Neuron runtime accepts before "
+        "the host waits for one to finish",
+    )
+    # On by default: without it, a graph that failed to compile once is recorded in the shared compile cache as a
+    # failure, and every later compile run of the graph (a resubmitted or resumed run) stops at that record
+    # instead of compiling it again; with it, a failure that has since been fixed (a compiler or code update, a
+    # node that ran out of host memory) compiles, and a lasting one still fails the stage.
+    retry_failed_compilation: Bool = Field(
+        True,
+        description="run the compile stage as `neuron_parallel_compile --retry_failed_compilation`: compile "
+        "again the graphs the cache records as failed",
     )
 
 
@@ -168,6 +225,7 @@ class Recipe(StrictModel):
     parallelism: ParallelismSection = ParallelismSection()
     memory: MemorySection = MemorySection()
     moe: MoeSection = MoeSection()
+    neuron: NeuronSection = NeuronSection()
     schedule: ScheduleSection = ScheduleSection()
     backend: BackendName = "neuron"
     precision: Precision = Field(

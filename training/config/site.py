@@ -56,9 +56,15 @@ class Site(StrictModel):
     cpu_partition: SlurmPartition | None = Field(
         None, description="partition of the single-node CPU stages (default: partition)"
     )
-    processes_per_node: PositiveInt | None = Field(None, description="default: the recipe's tp (one TP group a node)")
+    processes_per_node: PositiveInt | None = Field(
+        None,
+        description="training processes per node; default: one per NeuronCore of instance_type (trn1.32xlarge: 32), "
+        "or without an instance type the recipe's tp x pp spread evenly over its nodes (else its tp)",
+    )
     instance_type: Str | None = Field(
-        None, description="the training nodes' instance type, which `submit` plans memory against (trn1.32xlarge)"
+        None,
+        description="the training nodes' instance type (trn1.32xlarge): `submit` plans memory against it, and the "
+        "distributed jobs get its NeuronCores as processes and its vCPUs as --cpus-per-task",
     )
     exclusive: Bool = False
     neuron: Bool = Field(False, description="Neuron environment variables and neuron_parallel_compile")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from torch import nn
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 from torch.autograd.function import FunctionCtx
 from torch.distributed import ProcessGroup
-from torch.distributed.rendezvous import rendezvous
+from torch.distributed.rendezvous import rendezvous as env_rendezvous
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from training.errors import UserError
@@ -51,7 +52,7 @@ def _launcher_store() -> tuple[Store, int, int]:
     """torchrun's key-value store (env:// from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), opened once."""
     global _store
     if _store is None:
-        _store = next(rendezvous("env://"))
+        _store = next(env_rendezvous("env://"))
     return _store
 
 
@@ -174,8 +175,52 @@ def add_step_closure(closure: Callable[..., Any], args: tuple[Any, ...] = ()) ->
     closure(*args)
 
 
+def rendezvous(tag: str, /, payload: bytes = b"") -> Any:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return [payload]
+
+
 def move_model_to_device(model: nn.Module, device: torch.device) -> None:
     model.to(device)
+
+
+@contextmanager
+def init_on_device(
+    device: torch.device, include_buffers: bool = False, force_custom_init_on_device: bool = False
+) -> Iterator[None]:
+    """`nn.Module.register_parameter` (and `register_buffer` with `include_buffers`) moving what is registered
+    to `device`, as neuronx-distributed's own implementation does; the parameter's attributes are kept, and
+    one already there (a tied weight assigned again) stays the same tensor. This backend's layers skip their
+    initialisation when their weight lands on the meta device, as NxD's do."""
+    del force_custom_init_on_device  # chooses between NxD's implementations; this is the only one here
+    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
+
+    def move_parameter(module: nn.Module, name: str, parameter: nn.Parameter | None) -> None:
+        register_parameter(module, name, parameter)
+        if parameter is not None and parameter.device != device:
+            moved = nn.Parameter(parameter.detach().to(device), parameter.requires_grad)
+            moved.__dict__.update(parameter.__dict__)
+            module._parameters[name] = moved
+
+    def move_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        register_buffer(module, name, tensor, persistent)
+        if tensor is not None:
+            module._buffers[name] = tensor.to(device)
+
+    # setattr: the replacements are plain functions of the module, which mypy would not take for the methods
+    setattr(nn.Module, "register_parameter", move_parameter)  # noqa: B010
+    if include_buffers:
+        setattr(nn.Module, "register_buffer", move_buffer)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(nn.Module, "register_parameter", register_parameter)  # noqa: B010
+        setattr(nn.Module, "register_buffer", register_buffer)  # noqa: B010
+
+
+def complete_materialized(model: nn.Module) -> None:
+    """Nothing: this backend's layers set nothing up when they initialise (see `training.model.parallel`)."""
 
 
 def set_tensor_model_parallel_attributes(
@@ -371,9 +416,13 @@ def nki_flash_attn_func(
     transpose_nki_inputs: bool = True,
 ) -> torch.Tensor:
     """torch's flash attention kernel (blocks of keys with a running softmax; backward recomputes them): it
-    saves q, k, v, the output and the log-sum-exp, never the S x S scores. Its softmax statistics are fp32."""
-    if transpose_nki_inputs:
-        raise ValueError("nki_flash_attn_func: pass [B, heads, S, head_dim] inputs with transpose_nki_inputs=False")
+    saves q, k, v, the output and the log-sum-exp, never the S x S scores. Its softmax statistics are fp32.
+
+    Inputs as neuronx-distributed takes them: [B, heads, head_dim, S] with `transpose_nki_inputs` (the layout
+    the NKI kernel reads), else [B, heads, S, head_dim]; the output is [B, heads, S, head_dim] either way.
+    """
+    if transpose_nki_inputs:  # torch's CPU kernel needs head_dim contiguous
+        q, k, v = (t.transpose(-1, -2).contiguous() for t in (q, k, v))
     del mixed_precision  # the CPU kernel keeps its statistics in fp32 whatever the input dtype
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
@@ -388,10 +437,19 @@ def _divide(size: int, parts: int, what: str) -> int:
     return size // parts
 
 
-def _uniform(shape: tuple[int, ...], fan_in: int, dtype: torch.dtype) -> nn.Parameter:
-    """torch.nn.Linear's default initialisation, with the fan-in of the whole (unsharded) matrix."""
+def _parameter(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    """Not initialised: a layer registers it first, then initialises it unless it is on the meta device."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype))
+
+
+def _init_uniform(parameter: torch.Tensor | None, fan_in: int) -> None:
+    """torch.nn.Linear's default initialisation, with the fan-in of the whole (unsharded) matrix; nothing when
+    the parameter was registered on the meta device (`init_on_device`), as neuronx-distributed's layers do."""
+    if parameter is None or parameter.device.type == "meta":
+        return
     bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-    return nn.Parameter(torch.empty(shape, dtype=dtype).uniform_(-bound, bound))
+    with torch.no_grad():
+        parameter.uniform_(-bound, bound)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -415,8 +473,10 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension  # NxD's default
         per_rank = _divide(output_size, tp, "output size")
-        self.weight = _uniform((per_rank, input_size), input_size, dtype)
-        self.bias = _uniform((output_size if gather_output else per_rank,), input_size, dtype) if bias else None
+        self.weight = _parameter((per_rank, input_size), dtype)
+        _init_uniform(self.weight, input_size)
+        self.bias = _parameter((output_size if gather_output else per_rank,), dtype) if bias else None
+        _init_uniform(self.bias, input_size)
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel_enabled:
@@ -445,8 +505,10 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
-        self.weight = _uniform((output_size, _divide(input_size, tp_size(), "input size")), input_size, dtype)
-        self.bias = _uniform((output_size,), input_size, dtype) if bias else None
+        self.weight = _parameter((output_size, _divide(input_size, tp_size(), "input size")), dtype)
+        _init_uniform(self.weight, input_size)
+        self.bias = _parameter((output_size,), dtype) if bias else None
+        _init_uniform(self.bias, input_size)
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -475,7 +537,10 @@ class ParallelEmbedding(nn.Module):
         # The padding row (no gradient, as in torch.nn.Embedding) lives on the rank whose rows include it.
         in_range = padding_idx is not None and self.start <= padding_idx < self.end
         self.padding_idx = padding_idx - self.start if in_range and padding_idx is not None else None
-        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, dtype=dtype).normal_())
+        self.weight = _parameter((per_rank, embedding_dim), dtype)
+        if self.weight.device.type != "meta":  # see `_init_uniform`
+            with torch.no_grad():
+                self.weight.normal_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
@@ -524,12 +589,16 @@ class GQAQKVColumnParallelLinear(nn.Module):
         self.kv_group = kv_shared_group(kv_size_multiplier) if kv_size_multiplier > 1 else None
         sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
         if fuse_qkv:
-            self.weight_qkv = _uniform((sum(sizes.values()), input_size), input_size, dtype)
-            self.bias_qkv = _uniform((sum(sizes.values()),), input_size, dtype) if bias else None
+            self.weight_qkv = _parameter((sum(sizes.values()), input_size), dtype)
+            _init_uniform(self.weight_qkv, input_size)
+            self.bias_qkv = _parameter((sum(sizes.values()),), dtype) if bias else None
+            _init_uniform(self.bias_qkv, input_size)
         else:
             for name, size in sizes.items():
-                self.register_parameter(f"weight_{name}", _uniform((size, input_size), input_size, dtype))
-                self.register_parameter(f"bias_{name}", _uniform((size,), input_size, dtype) if bias else None)
+                self.register_parameter(f"weight_{name}", _parameter((size, input_size), dtype))
+                _init_uniform(self._parameters[f"weight_{name}"], input_size)
+                self.register_parameter(f"bias_{name}", _parameter((size,), dtype) if bias else None)
+                _init_uniform(self._parameters[f"bias_{name}"], input_size)
 
     def _parts(self, prefix: str) -> list[torch.Tensor | None]:
         if self.fuse_qkv:

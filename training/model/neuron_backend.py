@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from training.model.parallel import NXD_UTILS, PARALLEL_STATE, TRAINER
+from training.model.parallel import NXD_UTILS, PARALLEL_STATE, PARALLEL_UTILS, QKV_LINEAR, TRAINER
 
 if TYPE_CHECKING:
     from training.model.parallel import Declaration
@@ -75,6 +76,30 @@ def resolve(declaration: Declaration) -> Callable[..., Any]:
     if declaration.modifies_input:
         return functools.partial(_on_a_copy, implementation)
     return implementation
+
+
+def complete_materialized(model: nn.Module) -> None:
+    """What NxD's layers set only on their initialising branch, so a materialized model is the initialised one
+    but for the values: the unfused GQA weights' tensor-parallel attributes (modules/qkv_linear.py:
+    `_initialize_affine_weight` sets them, and its meta branch skips it; ZeRO-1's gradient norm reads them),
+    and, on the linear layers (parallel_layers/layers.py), the device they record from their weight
+    (`self.device = self.weight.device`) and the master weight `init_weight_cpu` keeps (None without
+    `keep_master_weight`). The fused `weight_qkv` has no attributes either way (NxD replaces it by an unmarked
+    concatenation). tests/neuron/test_startup.py compares both models attribute by attribute."""
+    gqa = importlib.import_module(QKV_LINEAR).GQAQKVColumnParallelLinear
+    mark = importlib.import_module(PARALLEL_UTILS).set_tensor_model_parallel_attributes
+    tp = importlib.import_module(PARALLEL_STATE).get_tensor_model_parallel_size()
+    for module in model.modules():
+        recorded = getattr(module, "device", None)
+        if isinstance(recorded, torch.device) and recorded.type == "meta":
+            # plain attributes, which nn.Module's __setattr__ (typed for tensors and modules) stores as they are
+            setattr(module, "device", next(module.parameters()).device)  # noqa: B010
+            if getattr(module, "keep_master_weight", None) is False and not hasattr(module, "master_weight"):
+                setattr(module, "master_weight", None)  # noqa: B010
+        if isinstance(module, gqa) and not module.fuse_qkv:
+            for weight in (module.weight_q, module.weight_k, module.weight_v):
+                if not hasattr(weight, "tensor_model_parallel"):
+                    mark(weight, is_parallel=True, dim=0, stride=1, num_partitions=tp)
 
 
 def _at_once(closure: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
@@ -128,6 +129,10 @@ class ParallelBackend(Protocol):
     def destroy(self) -> None: ...
     def resolve(self, declaration: Declaration) -> Callable[..., Any]:
         """The implementation of a declared name (a class or a function), called as `Declaration.call` says."""
+        ...
+
+    def complete_materialized(self, model: nn.Module) -> None:
+        """After `materialize`: what this backend's layers set up only when they initialise their weights."""
         ...
 
 
@@ -264,6 +269,12 @@ def add_step_closure(closure: Callable[..., Any], args: tuple[Any, ...] = ()) ->
     (at the next `mark_step` on Neuron; at once on CPU, where values are always ready)."""
 
 
+@neuron(XLA_MODEL)
+def rendezvous(tag: str, /, payload: bytes = b"") -> Any:
+    """Wait until every process has got here (torch-xla's rendezvous, a small collective graph of its own on
+    Neuron: neuronx-distributed's checkpoint save starts with one; a barrier on CPU)."""
+
+
 @neuron(PARALLEL_UTILS)
 def set_tensor_model_parallel_attributes(
     tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int, num_partitions: int = -1
@@ -277,6 +288,54 @@ def set_tensor_model_parallel_attributes(
 def move_model_to_device(model: nn.Module, device: torch.device) -> None:
     """`model.to(device)` keeping what a plain `.to` loses on XLA: neuronx-distributed's tensor-parallel
     parameter attributes, and weights shared between modules (they would become two tensors)."""
+
+
+# --- building a model whose weights are loaded next: no random initialisation ----------------------------
+
+
+@neuron(MODEL_UTILS)
+@contextmanager
+def init_on_device(
+    device: torch.device, include_buffers: bool = False, force_custom_init_on_device: bool = False
+) -> Iterator[None]:
+    """Inside, every parameter a module registers is moved to `device` as it is registered (buffers too with
+    `include_buffers`); attributes and shared parameters are kept.
+
+    With `torch.device("meta")` this is how neuronx-distributed builds a model without initialising it (its
+    trainer's `meta_device_init`, trainer/trainer.py `initialize_parallel_model`, calls it so, with
+    `force_custom_init_on_device=True`): every parallel layer registers its weight first and initialises it
+    only when it is not on the meta device (parallel_layers/layers.py: ParallelEmbedding, ColumnParallelLinear,
+    RowParallelLinear; modules/qkv_linear.py: GQAQKVColumnParallelLinear), so neither the full-size fp32
+    master weight each rank builds nor the random values are made. The cpu backend's layers check the same.
+    `force_custom_init_on_device` picks NxD's own implementation over accelerate's (which, NxD notes, turns
+    `requires_grad=False` back on and breaks shared weights); the cpu backend has one implementation.
+    `materialize` gives the parameters storage.
+    """
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter (built under `init_on_device(torch.device("meta"))`) uninitialised storage on
+    `device`, for weights loaded next: neuronx-distributed's `reinit_model(model, device, param_init_fn)`
+    (utils/model_utils.py: `torch.empty_like(param, device=device)` per parameter) with a `param_init_fn` that
+    does nothing. Unlike it, every attribute of a parameter is kept (its `preserve_parallel_attributes` keeps
+    four named ones) and a parameter shared by two modules stays one tensor (its `preserve_shared_weights`
+    re-ties only Hugging Face models); then the backend restores what its layers set only when initialising.
+    Every value is garbage until loaded: a caller loads all of them (a strict state dict) before any use.
+    (`torch.empty` of the shape, not `empty_like`: from the meta device that goes through torch's Python
+    references, whose first use imports sympy, a second at start-up.)
+    """
+    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # the meta parameter kept alive: ids stay unique
+    for module in model.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is None or parameter.device.type != "meta":
+                continue
+            if id(parameter) not in made:
+                empty = torch.empty(parameter.shape, dtype=parameter.dtype, device=device)
+                storage = nn.Parameter(empty, parameter.requires_grad)
+                storage.__dict__.update({k: v for k, v in parameter.__dict__.items() if k != "requires_grad"})
+                made[id(parameter)] = (parameter, storage)
+            module._parameters[name] = made[id(parameter)][1]
+    _backend().complete_materialized(model)
 
 
 # --- layers: neuronx-distributed's constructor arguments and semantics ------------------------------------
@@ -447,9 +506,10 @@ def nki_flash_attn_func(
 ) -> torch.Tensor:
     """softmax(q k^T * scale, causal) v without materialising the S x S scores, forward or backward.
 
-    Call it with `transpose_nki_inputs=False`: q, k, v and the result are [B, heads, S, head_dim], K and V
-    with as many heads as q. `mixed_precision`: softmax statistics in fp32. On Neuron this is the NKI kernel
-    (sequences in multiples of 2048); on CPU, torch's flash attention kernel.
+    q, k, v are [B, heads, head_dim, S] with `transpose_nki_inputs` (the kernel's own layout, nothing to
+    transpose: neuronx-distributed's default), else [B, heads, S, head_dim]; K and V with as many heads as q;
+    the result is [B, heads, S, head_dim]. `mixed_precision`: softmax statistics in fp32. On Neuron this is the
+    NKI kernel (sequences in multiples of 2048); on CPU, torch's flash attention kernel.
     """
 
 

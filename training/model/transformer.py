@@ -12,6 +12,7 @@ Batches are packed blocks: causal attention over the whole sequence, positions 0
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from collections.abc import Sequence
@@ -119,7 +120,8 @@ class Execution:
 
     sequence_parallel: the activations between attention and MLP (norms, residuals) are [S/tp, B, H], each
         TP rank its slice of the sequence (sequence first, as neuronx-distributed lays them out).
-    activation_checkpointing: "selective" recomputes the attention core and the MLP activation in backward,
+    activation_checkpointing: "selective" recomputes the attention core (with flash attention nothing of the
+        attention: the kernel's own backward recomputes its blocks) and the MLP activation in backward,
         "full" each decoder layer (the MoE block included), keeping only its input.
     flash_attention: attention that never holds the S x S scores; otherwise scores and probabilities are
         materialised (the math neuronx-distributed's core attention does).
@@ -159,9 +161,10 @@ def inverse_frequencies(rope: Rope, head_dim: int) -> torch.Tensor:
     return torch.where(middle, blended, scaled)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """RoPE on the head dimension `dim` of x (cos and sin laid out like x's last two dimensions)."""
+    first, second = x.chunk(2, dim=dim)
+    return x * cos + torch.cat((-second, first), dim=dim) * sin
 
 
 class RMSNorm(nn.Module):
@@ -180,33 +183,38 @@ class RMSNorm(nn.Module):
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d), causal) v over [B, heads, S, d]: the part selective checkpointing recomputes.
+    """softmax(q k^T / sqrt(d), causal) v over [B, heads, S, d], the S x S scores materialised: the part
+    selective checkpointing recomputes (neuronx-distributed's `CoreAttention`).
 
     K and V arrive with their own (fewer) heads; each KV head serves `group` consecutive query heads.
     """
 
-    def __init__(self, head_dim: int, group: int, sliding_window: int | None, flash: bool) -> None:
+    def __init__(self, head_dim: int, group: int) -> None:
         super().__init__()
-        self.scale, self.group, self.sliding_window, self.flash = head_dim**-0.5, group, sliding_window, flash
+        self.scale, self.group = head_dim**-0.5, group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
-        if self.flash:
-            length = q.shape[2]
-            if self.sliding_window is not None and self.sliding_window < length:
-                raise UserError(
-                    f"memory.flash_attention: the model's sliding_window {self.sliding_window} is shorter than the "
-                    f"sequence ({length}); flash attention is causal over the whole sequence; set it to false"
-                )
-            output: torch.Tensor = parallel.nki_flash_attn_func(
-                q, k, v, softmax_scale=self.scale, causal=True, mixed_precision=True, transpose_nki_inputs=False
-            )
-            return output
-        assert mask is not None
         scores = (q @ k.transpose(-1, -2)) * self.scale
         scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
         probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return probabilities @ v
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+    """The NKI flash kernel over [B, heads, d, S] inputs (the layout the kernel reads, so NxD's wrapper
+    transposes nothing: `transpose_nki_inputs=True`, its default "for better perf"); returns [B, heads, S, d].
+
+    A plain function, never a module, so no activation checkpointing can wrap it: the kernel keeps only q, k,
+    v, its output and the log-sum-exp, and its backward kernel recomputes the scores blockwise itself. Running
+    its forward again in backward (as a recomputed module would) costs a whole attention forward per layer
+    and saves almost nothing; neuronx-distributed and its training library call it outside `CoreAttention`.
+    """
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    output: torch.Tensor = parallel.nki_flash_attn_func(
+        q, k, v, softmax_scale=scale, causal=True, mixed_precision=True, transpose_nki_inputs=True
+    )
+    return output
 
 
 def attention_mask(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
@@ -243,8 +251,9 @@ class Attention(nn.Module):
             fuse_qkv=parallelism.fuse_qkv,
         )
         # local query heads come in consecutive groups per KV head
-        group = self.heads // self.kv_heads
-        self.core_attention = CoreAttention(spec.head_dim, group, config.sliding_window, execution.flash_attention)
+        self.group = self.heads // self.kv_heads
+        self.flash, self.sliding_window = execution.flash_attention, config.sliding_window
+        self.core_attention = CoreAttention(spec.head_dim, self.group)
         self.o_proj = parallel.RowParallelLinear(
             spec.num_heads * spec.head_dim,
             spec.hidden_size,
@@ -258,12 +267,23 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.qkv_proj(x)
         first, second = q.shape[:2]  # (B, S), or (S, B) sequence first
-        order = (1, 2, 0, 3) if self.sequence_first else (0, 2, 1, 3)  # to [B, heads, S, d]
-        q = q.view(first, second, self.heads, self.head_dim).permute(order)
-        k = k.view(first, second, self.kv_heads, self.head_dim).permute(order)
-        v = v.view(first, second, self.kv_heads, self.head_dim).permute(order)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        context = self.core_attention(q, k, v, mask)
+        if self.flash:
+            length = first if self.sequence_first else second
+            if self.sliding_window is not None and self.sliding_window < length:
+                raise UserError(
+                    f"memory.flash_attention: the model's sliding_window {self.sliding_window} is shorter than the "
+                    f"sequence ({length}); flash attention is causal over the whole sequence; set it to false"
+                )
+            order = (1, 2, 3, 0) if self.sequence_first else (0, 2, 3, 1)  # to [B, heads, d, S]
+            q, k, v = (t.view(first, second, -1, self.head_dim).permute(order) for t in (q, k, v))
+            q, k = _rotate(q, cos.t(), sin.t(), dim=-2), _rotate(k, cos.t(), sin.t(), dim=-2)
+            context = flash_attention(q, k, v, self.group, self.head_dim**-0.5)
+        else:
+            order = (1, 2, 0, 3) if self.sequence_first else (0, 2, 1, 3)  # to [B, heads, S, d]
+            q, k, v = (t.view(first, second, -1, self.head_dim).permute(order) for t in (q, k, v))
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            assert mask is not None
+            context = self.core_attention(q, k, v, mask)
         back = (2, 0, 1, 3) if self.sequence_first else (0, 2, 1, 3)
         output: torch.Tensor = self.o_proj(context.permute(back).reshape(first, second, -1))
         return output
@@ -317,7 +337,10 @@ class _Weight(nn.Module):
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, *, dim: int, stride: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype).normal_(std=0.02))
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype))
+        if self.weight.device.type != "meta":  # as the parallel layers: nothing to initialise when built on meta
+            with torch.no_grad():
+                self.weight.normal_(std=0.02)
         parallel.set_tensor_model_parallel_attributes(
             self.weight, is_parallel=True, dim=dim, stride=stride, num_partitions=parallel.tp_size()
         )
@@ -384,8 +407,9 @@ class MoE(nn.Module):
         """
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        logits = self.router.linear_router(tokens)
-        top_weights, top_experts = F.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+        # The router in fp32, as neuronx-distributed's (bf16 logits would flip near-tied expert choices).
+        logits = F.linear(tokens.float(), self.router.linear_router.weight.float())
+        top_weights, top_experts = F.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         if self.sequence_parallel:
             local = parallel.gather_from_sequence_parallel_region(tokens)
@@ -440,7 +464,7 @@ class MoE(nn.Module):
         total, experts = local.shape[0], gate_up.shape[0]
         capacity = min(total, math.ceil(total * self.top_k * self.capacity_factor / experts))
         chosen = F.one_hot(top_experts, experts).sum(dim=1)  # [T, E]: 1 where the token chose the expert
-        position = torch.cumsum(chosen, dim=0) - 1  # the token's place in its expert's queue
+        position = queue_positions(chosen)  # the token's place in its expert's queue
         kept = (chosen * (position < capacity)).gather(1, top_experts).bool()  # [T, k]
         self.dropped = (~kept).sum()
         slot = top_experts * capacity + position.gather(1, top_experts)  # [T, k]: the choice's slot
@@ -460,6 +484,28 @@ class MoE(nn.Module):
             safe = torch.where(kept[:, choice], slot[:, choice], 0)
             partial = partial + outputs[safe].to(weights.dtype) * kept_weights[:, choice, None]
         return partial.to(local.dtype)
+
+
+PREFIX_SUM_BLOCK = 2048  # rows per lower-triangular matmul of `queue_positions` (a 16 MiB fp32 matrix)
+
+
+def queue_positions(chosen: torch.Tensor) -> torch.Tensor:
+    """For a [T, E] 0/1 matrix, each row's count of ones in its column up to and including it, minus one.
+
+    The running sum is a matmul with a lower-triangular matrix of ones, block by block of 2048 rows with the
+    previous blocks' totals carried, not `torch.cumsum`: XLA lowers that to a T-wide reduce-window, which
+    neuronx-cc has failed to compile (aws-neuron-sdk issues 767 and 778), and neuronx-distributed's
+    capacity-factor MoE computes its prefix sums with matmuls too. fp32 counts are exact below 2**24 rows.
+    """
+    counts = chosen.to(torch.float32)
+    carried = counts.new_zeros(1, counts.shape[1])
+    blocks = []
+    for block in torch.split(counts, PREFIX_SUM_BLOCK):
+        lower = torch.ones(block.shape[0], block.shape[0], dtype=torch.float32, device=block.device).tril()
+        running = lower @ block + carried
+        blocks.append(running)
+        carried = running[-1:]
+    return torch.cat(blocks).to(torch.long) - 1
 
 
 def balance_sums(
@@ -715,7 +761,10 @@ def build_model(
     kv_multiplier: K/V replication of the GQA layer (default: the smallest that fits, as the converter's).
     fuse_qkv: one `weight_qkv` per layer instead of `weight_q/k/v`; must match the checkpoint.
     dtype: parameter dtype (default: the config's `dtype`/`torch_dtype`, else fp32).
-    seed: initialise deterministically (see `initialize_weights`); None leaves weights for `load_state_dict`.
+    seed: initialise deterministically (see `initialize_weights`). None: for weights loaded next (every
+        parameter, e.g. a strict `load_state_dict`), nothing is initialised, not even by the layers'
+        constructors: the model is built on the meta device as neuronx-distributed's trainer builds one
+        (`parallel.init_on_device`), then each parameter gets uninitialised storage (`parallel.materialize`).
     moe_dispatch: "sparse" (default on CPU) or "dense" (default on Neuron: static shapes), or "capacity"
         (the default when `capacity_factor` is given: fixed expert capacity, tokens beyond it dropped).
     router_aux_loss: add Mixtral's load-balancing loss (default: the config's `output_router_logits`).
@@ -735,15 +784,21 @@ def build_model(
     default: MoeDispatch = "dense" if parallel.backend() == "neuron" else "sparse"
     experts = Experts(moe_dispatch or ("capacity" if capacity_factor is not None else default), capacity_factor)
     aux = model_config.output_router_logits if router_aux_loss is None else router_aux_loss
-    model = CausalLM(
-        model_config,
-        parallelism,
-        experts=experts,
-        router_aux_loss=aux,
-        execution=execution,
-        stage=stage,
-    )
-    if seed is not None:
+    building: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if seed is None:  # on the meta device: no layer initialises anything (see `parallel.init_on_device`)
+        building = parallel.init_on_device(torch.device("meta"), force_custom_init_on_device=True)
+    with building:
+        model = CausalLM(
+            model_config,
+            parallelism,
+            experts=experts,
+            router_aux_loss=aux,
+            execution=execution,
+            stage=stage,
+        )
+    if seed is None:
+        parallel.materialize(model, torch.device("cpu"))
+    else:
         initialize_weights(model, seed)
     recomputed = RECOMPUTED.get(execution.activation_checkpointing)
     if recomputed:

@@ -33,7 +33,7 @@ from training.config.precision import NEURON_ENVIRONMENT
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.errors import UserError
-from training.train.memory import DEFAULT_HARDWARE, HARDWARE, model_config, refusal
+from training.train.memory import DEFAULT_HARDWARE, HARDWARE, Hardware, model_config, refusal
 from training.train.metrics import METRICS_FILE, read_metrics
 
 TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().parents[2] / "assets" / "slurm"))
@@ -43,6 +43,16 @@ RUN_ID_STAMP = "%Y%m%d-%H%M%S"
 # What Slurm's own parser of `#SBATCH` lines would split, unquote, end as a comment or expand (`%j` in a log
 # path): such a value cannot be quoted for the shell there, so it is refused instead.
 SBATCH_UNSAFE = re.compile(r"[\s'\"\\#%\x00-\x1f\x7f]")
+# torchrun's rendezvous port (MASTER_PORT): one of these, chosen by the job id so that jobs sharing a first node
+# (a site without `exclusive`, the local demo) do not collide. They lie below Linux's ephemeral ports (32768-60999,
+# net.ipv4.ip_local_port_range), so no outgoing connection of the node holds one when the job starts, and the
+# compute nodes reserve them as well (net.ipv4.ip_local_reserved_ports, as neuronx-distributed's launchers reserve
+# their 44000): assets/node/on_node_configured.sh spells the same range (RENDEZVOUS_PORTS; a test holds them equal).
+RENDEZVOUS_PORTS = range(31000, 31100)
+# vCPUs of the Trainium instance types (EC2 DescribeInstanceTypes: DefaultVCpus), which ParallelCluster gives their
+# Slurm nodes as CPUs: the distributed jobs' --cpus-per-task, as AWS's tutorial of the 4-node Llama run passes
+# (`--cpus-per-task 128` on trn1.32xlarge). Keyed as training.train.memory.HARDWARE (a test holds them equal).
+VCPUS = {"trn1.32xlarge": 128, "trn1n.32xlarge": 128, "trn1.2xlarge": 8}
 
 
 @dataclass(frozen=True)
@@ -73,24 +83,57 @@ class RunPlan:
     stages: list[Stage] = field(default_factory=list)
 
 
+def site_hardware(site: Site) -> Hardware | None:
+    """The facts of the site's instance type; None when the site names none (the local demo)."""
+    if site.instance_type is None:
+        return None
+    if site.instance_type not in HARDWARE:
+        raise UserError(f"site instance_type {site.instance_type!r} is not supported; allowed: {', '.join(HARDWARE)}")
+    return HARDWARE[site.instance_type]
+
+
+def check_launch(recipe: Recipe, site: Site) -> None:
+    """Refuse, in one line, a site whose processes per node cannot run the recipe (what the training job would
+    refuse at start-up, after its nodes were paid for)."""
+    per_node = processes_per_node(recipe, site)
+    hardware = site_hardware(site)
+    if hardware is not None and site.neuron and per_node > hardware.cores_per_node:
+        raise UserError(
+            f"site processes_per_node {per_node} is more than the {hardware.cores_per_node} NeuronCores of "
+            f"{hardware.name} (one process a NeuronCore); omit it to use all of them"
+        )
+    world = per_node * recipe.nodes
+    tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
+    if world % (tp * pp):
+        raise UserError(
+            f"parallelism.tp {tp} x parallelism.pp {pp} does not divide the {world} processes of {recipe.nodes} "
+            f"node(s) x {per_node} (site processes_per_node{'' if site.processes_per_node else ', by default'})"
+        )
+    dp, micro = world // (tp * pp), recipe.batch.micro
+    if recipe.batch.global_batch % (micro * dp):
+        raise UserError(
+            f"batch.global {recipe.batch.global_batch} is not a multiple of batch.micro {micro} x the {dp} "
+            f"data-parallel ranks of {world} processes (= {micro * dp}); change batch.global or batch.micro"
+        )
+
+
 def check_memory(recipe: Recipe, site: Site) -> None:
     """Refuse a Neuron recipe that does not fit the NeuronCores' memory, before any job is submitted."""
     if recipe.backend != "neuron":
         return  # the CPU backend (tests, the local demo) has no device memory to plan
-    instance_type = site.instance_type or DEFAULT_HARDWARE.name
-    if instance_type not in HARDWARE:
-        raise UserError(f"site instance_type {instance_type!r} is not supported; allowed: {', '.join(HARDWARE)}")
+    hardware = site_hardware(site) or DEFAULT_HARDWARE
     config = model_config(recipe)
     if config is None:
         print(f"warning: memory not planned: no config.json in model.config {recipe.model.config}", file=sys.stderr)
         return
-    problem = refusal(recipe, HARDWARE[instance_type], config)
+    problem = refusal(recipe, hardware, config)
     if problem is not None:
         raise UserError(problem)
 
 
 def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
-    """The run's directory, resolved recipe and stages; pure apart from reading the clock for a new id."""
+    """The run's directory, resolved recipe and stages; pure apart from reading the clock for a new id and the
+    manifest of data that exists already."""
     if run_id is None:
         stamp = datetime.now(timezone.utc).strftime(RUN_ID_STAMP)
         run_id = f"{recipe.name}-{stamp}"
@@ -122,11 +165,26 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
     skipped |= {"convert-in"} if recipe.model.pretrained is None else set()
     stages = [s for s in STAGES if s.name not in skipped]
     if recipe.prepare is not None:
+        if recipe.data.kind not in (None, recipe.prepare.kind):  # the train stage would refuse what prepare makes
+            raise UserError(
+                not_allowed(
+                    "data.kind",
+                    recipe.data.kind,
+                    f"{recipe.prepare.kind} as prepare.kind (the prepare stage makes the run's data), or no data.kind",
+                )
+            )
         settings["data"]["path"] = str(run_dir / "data")
         settings["prepare"]["source"] = _absolute_if_local(recipe.prepare.source)
         settings["prepare"]["tokenizer"] = str(Path(recipe.prepare.tokenizer or recipe.model.config).absolute())
     else:
-        settings["data"]["path"] = str(Path(recipe.data.path).absolute())
+        data_path = Path(recipe.data.path).absolute()
+        if recipe.data.kind is not None and (data_path / outputs.MANIFEST).is_file():
+            # Imported here: the loader needs torch, which only a recipe with data to check pays for.
+            from training.train.loader import check_data_kind, prepared_kind
+
+            if (found := prepared_kind(data_path)) is not None:
+                check_data_kind(data_path, found, data_kind=recipe.data.kind, prepare_kind=None)
+        settings["data"]["path"] = str(data_path)
     if recipe.model.pretrained is not None:
         settings["model"]["pretrained"] = str(run_dir / "pretrained_weight")
     settings["checkpoint"]["dir"] = str(run_dir / "checkpoints")
@@ -222,9 +280,15 @@ def _python(site: Site) -> str:
     return site.python or sys.executable
 
 
-def processes_per_node(recipe: Recipe) -> int:
-    """Without a site setting: the model-parallel ranks (TP x PP) spread evenly over the recipe's nodes, else
-    one TP group a node."""
+def processes_per_node(recipe: Recipe, site: Site) -> int:
+    """The site's setting; else one process per NeuronCore of the site's instance type; else (no instance type
+    known: the local demo) the model-parallel ranks (TP x PP) spread evenly over the recipe's nodes, else one TP
+    group a node."""
+    if site.processes_per_node:
+        return site.processes_per_node
+    hardware = site_hardware(site)
+    if hardware is not None:
+        return hardware.cores_per_node
     model_parallel = recipe.parallelism.tp * recipe.parallelism.pp
     return model_parallel // recipe.nodes if model_parallel % recipe.nodes == 0 else recipe.parallelism.tp
 
@@ -265,6 +329,10 @@ def render(plan: RunPlan) -> dict[str, str]:
             "compile_cache": site.compile_cache,
             "region": site.region,
             "metrics_namespace": site.metrics_namespace,
+            # The recipe's Neuron settings; the compile cache is the site's, always the last flag.
+            "neuron_cc_flags": " ".join((*recipe.neuron.compiler_flags, f"--cache_dir={site.compile_cache}")),
+            "inflight_requests": recipe.neuron.inflight_requests,
+            "cpus_per_task": VCPUS.get(site.instance_type or "") if stage.distributed else None,
             "python": python,
             "python_bin": os.path.dirname(python),
             "scontrol": f"{slurm}scontrol",
@@ -272,10 +340,12 @@ def render(plan: RunPlan) -> dict[str, str]:
         }
         if stage.distributed:
             context |= {
-                "processes_per_node": site.processes_per_node or processes_per_node(recipe),
+                "processes_per_node": processes_per_node(recipe, site),
+                "rendezvous_ports": RENDEZVOUS_PORTS,
                 "launcher": f"{os.path.dirname(python)}/neuron_parallel_compile"
                 if stage.name == "compile" and site.neuron
                 else "",
+                "retry_failed_compilation": recipe.neuron.retry_failed_compilation,
                 "train_arguments": "--compile" if stage.name == "compile" else "--resume",
                 "max_restarts": site.max_restarts,
                 "precision": recipe.precision,
@@ -346,6 +416,7 @@ def latest_jobs(run: dict[str, Any]) -> dict[str, str]:
 
 def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: Site, dry_run: bool) -> dict[str, Any]:
     recipe = load_recipe(recipe_file, overrides)
+    check_launch(recipe, site)
     check_memory(recipe, site)
     plan = plan_run(recipe, site, run_id)
     scripts = render(plan)

@@ -17,6 +17,7 @@ import pickle
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,12 @@ def _refuse_planted_pickles(target: Path) -> None:
     """neuronx-distributed's `load_checkpoint` (and torch-xla's xser loader under it) unpickles with
     `weights_only=False`. Before it reads this rank's files, each is unpickled here the safe way, which runs
     no code and refuses any class but tensors, plain data and xser's tensor references: a file planted on
-    shared storage is one line, and never reaches NxD's loader."""
+    shared storage is one line, and never reaches NxD's loader.
+
+    Only the pickles are read here: code can hide in a file's pickle alone (a torch.save file is a zip of the
+    pickle and raw tensor bytes), and the tensors' bytes are memory-mapped, never touched (`_load_plain`'s
+    `data=False`), so the checkpoint's data is read once, by NxD. Reading it all here as well cost a second
+    read of every rank's weights and optimizer state (benchmarks/startup.py measures both)."""
     from torch_xla.utils.serialization import TensorReference
 
     rank = f"tp_rank_{parallel.tp_rank():02d}_pp_rank_{parallel.pp_rank():02d}"
@@ -213,15 +219,20 @@ def _refuse_planted_pickles(target: Path) -> None:
     with torch.serialization.safe_globals([TensorReference]):
         for path in files:
             if path.is_file():
-                _load_plain(path)
+                _load_plain(path, data=False)
 
 
-def _load_plain(path: Path) -> Any:
+def _load_plain(path: Path, *, data: bool = True) -> Any:
     """torch.load that can never run code from the file: `weights_only` unpickles tensors and plain data
     (numbers, strings, lists, tuples, dicts) and refuses every other global, so a pickle planted on shared
-    storage is reported instead of executed. Refusals and damage are one line naming the file."""
+    storage is reported instead of executed. Refusals and damage are one line naming the file.
+
+    `data=False` checks the pickle without reading the tensors' bytes: they are memory-mapped (torch.load's
+    `mmap`) and stay unread unless used. Only torch.save's zip files can be mapped; any other file (the
+    legacy format, or not a torch.save file at all) is read as it is."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        mapped = not data and zipfile.is_zipfile(path)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL ([\w.]+)", str(error))
         what = f"refused to unpickle {found.group(1)} (it could run code)" if found else "refused to unpickle it"

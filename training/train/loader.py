@@ -45,6 +45,44 @@ class BatchPlan:
                 f"ranks {self.dp} (= {self.micro * self.dp}); change batch.global or batch.micro"
             )
 
+    def check_rows(self, path: Path, split: str, rows: int, seq_len: int) -> None:
+        """One step takes each of its blocks once: a global batch beyond the split's blocks is refused (steps
+        beyond the first epoch wrap around, as intended; one step repeating blocks would not be)."""
+        if self.global_batch > rows:
+            raise UserError(
+                not_allowed(
+                    "batch.global",
+                    self.global_batch,
+                    f"at most the {rows} sequences of {seq_len} tokens (batch.seq_len) in the {split} split of "
+                    f"data.path {path}, so that no step takes a block twice; or prepare more data",
+                )
+            )
+
+    def check_validation_rows(self, path: Path, split: str, rows: int, batches: int) -> None:
+        """A validation reads the first `batches x micro x dp` blocks of its split (`_validation_loss` in
+        training.train.loop); more than the split has would count blocks twice."""
+        per_batch = self.micro * self.dp
+        if batches * per_batch <= rows:
+            return
+        where = f"the {rows} sequences of the {split} split of data.path {path}"
+        if per_batch > rows:
+            raise UserError(
+                not_allowed(
+                    "data.validation_split",
+                    split,
+                    f"a split of at least batch.micro {self.micro} x {self.dp} data-parallel ranks = {per_batch} "
+                    f"sequences; {where} are fewer",
+                )
+            )
+        raise UserError(
+            not_allowed(
+                "data.validation_batches",
+                batches,
+                f"at most {rows // per_batch}: each takes batch.micro {self.micro} x {self.dp} data-parallel ranks "
+                f"= {per_batch} of {where}, and a validation reads each block once",
+            )
+        )
+
     def sample_indices(self, step: int, dp_rank: int, micro_step: int) -> range:
         """Run-wide sample numbers of one micro batch (0-based step)."""
         start = step * self.global_batch + dp_rank * (self.global_batch // self.dp) + micro_step * self.micro
@@ -73,9 +111,10 @@ class TrainingData:
         if not manifest_path.is_file():
             raise UserError(f"data.path {path}: no {MANIFEST}; run `python -m training prepare` first")
         manifest: dict[str, Any] = json.loads(manifest_path.read_text())
-        self.kind = manifest.get("kind")
-        if self.kind not in ("pretrain", "sft"):
-            raise UserError(f"data.path {path}: {MANIFEST} is a {self.kind!r} output, not prepare pretrain/sft")
+        kind = manifest.get("kind")
+        if kind not in ("pretrain", "sft"):
+            raise UserError(f"data.path {path}: {MANIFEST} is a {kind!r} output, not prepare pretrain/sft")
+        self.kind = str(kind)
         if manifest.get("seq_len") != seq_len:
             raise UserError(
                 f"batch.seq_len {seq_len} differs from the data's seq_len {manifest.get('seq_len')} ({path}); "
@@ -115,6 +154,31 @@ class TrainingData:
         input_ids = torch.from_numpy(np.asarray(columns["input_ids"], dtype=np.int64))
         labels = torch.from_numpy(np.asarray(columns["labels"], dtype=np.int64)) if self.has_labels else input_ids
         return input_ids, shift_labels(labels)
+
+
+def check_data_kind(path: Path, found: str, *, data_kind: str | None, prepare_kind: str | None) -> None:
+    """Blocks of `prepare sft` train only the assistant tokens (their labels), those of `prepare pretrain` every
+    token: given to a recipe of the other kind they would train the wrong objective without a word. The kind the
+    recipe trains on is `data.kind`, else `prepare.kind`; a recipe with neither is not checked."""
+    expected, key = (data_kind, "data.kind") if data_kind is not None else (prepare_kind, "prepare.kind")
+    if expected is None or found == expected:
+        return
+    raise UserError(
+        f"data.path {path}: holds `prepare {found}` data, but the recipe trains on {expected} data ({key} "
+        f"{expected}); allowed: data made by `prepare {expected}`, or set data.kind to {found} to train on "
+        f"{found} data on purpose"
+    )
+
+
+def prepared_kind(path: Path) -> str | None:
+    """The kind (pretrain, sft) a `prepare` output's manifest records; None where there is no readable manifest
+    yet (the training job reports what is wrong with it)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    kind = manifest.get("kind") if isinstance(manifest, dict) else None
+    return kind if kind in ("pretrain", "sft") else None
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ torchrun also works. Everything is decided by the recipe: the compile run (`--co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,9 +37,9 @@ from training.train.checkpointing import (
     load_weights,
     save_checkpoint,
 )
-from training.train.loader import BatchPlan, TrainingData
+from training.train.loader import BatchPlan, TrainingData, check_data_kind
 from training.train.metrics import open_metrics
-from training.train.optimizer import TrainingOptimizer, neuron_trainer_options
+from training.train.optimizer import TrainingOptimizer, neuron_trainer_options, zero1_where_it_shards
 from training.train.precision import PARAMETER_DTYPE
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ def train(options: TrainOptions) -> dict[str, Any]:
         raise UserError(f"data.path {data_path}: no such directory (run `python -m training prepare` first)")
     shuffle_seed = recipe.seed if recipe.data.shuffle else None
     data = TrainingData(data_path, recipe.data.split, recipe.batch.seq_len, shuffle_seed=shuffle_seed, key="data.split")
+    prepare_kind = recipe.prepare.kind if recipe.prepare is not None else None
+    check_data_kind(data_path, data.kind, data_kind=recipe.data.kind, prepare_kind=prepare_kind)
     validation = None
     if recipe.data.validation_split is not None:  # opened even when unused, so a split that is not there is said
         validation = TrainingData(
@@ -135,6 +138,14 @@ def train(options: TrainOptions) -> dict[str, Any]:
         )
     plan = BatchPlan(recipe.batch.global_batch, recipe.batch.micro, world // model_parallel)
     plan.check()
+    plan.check_rows(data_path, recipe.data.split, len(data), recipe.batch.seq_len)
+    if validation is not None:
+        assert recipe.data.validation_split is not None
+        plan.check_validation_rows(
+            data_path, recipe.data.validation_split, len(validation), recipe.data.validation_batches
+        )
+    recipe = zero1_where_it_shards(recipe, plan.dp)
+    options = dataclasses.replace(options, recipe=recipe)
 
     neuron_options = neuron_trainer_options(
         recipe.optimizer, precision=recipe.precision, sequence_parallel=recipe.parallelism.sequence_parallel
@@ -162,12 +173,13 @@ def _run(
     checkpoint_dir = Path(recipe.checkpoint.dir)
     rank = parallel.world_rank()
     resume_step = latest_complete_step(checkpoint_dir) if options.resume and not options.compile_only else None
+    loads_weights = resume_step is not None or bool(recipe.model.pretrained)
     model = build_model(
         config,
         kv_multiplier=parallelism.kv_multiplier,
         fuse_qkv=parallelism.fuse_qkv,
         dtype=PARAMETER_DTYPE[recipe.precision],
-        seed=recipe.seed,
+        seed=None if loads_weights else recipe.seed,  # None: no random initialisation of weights loaded next
         router_aux_loss=True,
         execution=execution_of(recipe),
         capacity_factor=recipe.moe.capacity_factor,
@@ -252,23 +264,28 @@ def _run(
                 total = stages.from_last_stage(result.loss_sum)
                 dropped = None if result.dropped is None else stages.over_stages(result.dropped)
             else:
-                total, dropped = _accumulate(model, batches, device)
+                total, dropped = _accumulate(model, batches)
             learning_rate = optimizer.lr
             grad_norm = optimizer.step()
             loss = _data_parallel_mean(total / plan.accumulation)
+            dropped_fraction = None if dropped is None else _data_parallel_mean(dropped / choices_per_step)
             done = step + 1
             window.steps += 1
-            validation_loss = None
-            if validation is not None and (done % recipe.data.validation_every == 0 or done == last):
+            validating = validation is not None and (done % recipe.data.validation_every == 0 or done == last)
+            logging = done % recipe.log_every == 0 or done == last or validating
+            values = (done, loss, grad_norm, learning_rate)
+            if logging and not validating:
+                parallel.add_step_closure(report, (*values, None, dropped_fraction))
+            # The optimizer step's graph, the same whatever else the step does (validation, logging, saving), so
+            # the compile stage's two steps compile every graph the run needs; the closure runs after it.
+            parallel.mark_step()
+            if validating:
+                assert validation is not None
                 validation_loss = _validation_loss(
                     model, validation, plan, recipe.data.validation_batches, device, pipeline
                 )
-            dropped_fraction = None if dropped is None else _data_parallel_mean(dropped / choices_per_step)
-            if done % recipe.log_every == 0 or done == last or validation_loss is not None:
-                parallel.add_step_closure(
-                    report, (done, loss, grad_norm, learning_rate, validation_loss, dropped_fraction)
-                )
-            parallel.mark_step()  # the optimizer step's graph; the closure runs after it
+                parallel.add_step_closure(report, (*values, validation_loss, dropped_fraction))
+                parallel.mark_step()  # the validation mean's own small graph
             if not options.compile_only and _checkpoint_due(recipe, done):
                 user_content = {"step": done, "consumed_samples": done * plan.global_batch}
                 save_checkpoint(
@@ -283,6 +300,11 @@ def _run(
                 if rank == 0:
                     log.info(f"checkpoint step_{done} saved in {checkpoint_dir}")
             _fault_injection(done, checkpoint_dir)
+        if options.compile_only:
+            # What a checkpoint save runs on the device besides copies to the host: neuronx-distributed's save
+            # starts with a rendezvous, a small collective graph. Compiled here (the compile stage saves nothing),
+            # not at the run's first checkpoint.
+            parallel.rendezvous("compile stage: the checkpoint save's graph")
     finally:
         if metrics is not None:
             metrics.close()
@@ -291,22 +313,27 @@ def _run(
 
 
 def _accumulate(
-    model: CausalLM, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    model: CausalLM, batches: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward and backward of each micro batch into the same gradients; the summed loss, and the capacity
-    dispatch's dropped expert choices (None without it)."""
-    total = torch.zeros((), device=device)
-    dropped = None
+    dispatch's dropped expert choices (None without it).
+
+    One graph per micro batch on Neuron, and the same graph for every micro batch after the first (which
+    creates the gradients the others add to): the sums are taken over the micro batches' own outputs after
+    the last one, so they belong to the optimizer step's graph and no micro batch starts from a fresh zero.
+    """
+    device = parallel.device()
+    losses: list[torch.Tensor] = []
+    dropped: list[torch.Tensor] = []
     for input_ids, targets in batches:
         output = model(input_ids.to(device), targets.to(device))
         assert output.loss is not None
         (output.loss / len(batches)).backward()
-        total += output.loss.detach()
+        losses.append(output.loss.detach())
         if output.dropped is not None:
-            dropped = output.dropped.detach() if dropped is None else dropped + output.dropped.detach()
-        # One graph per micro batch on Neuron: a step of N micro batches is never traced as one graph.
-        parallel.mark_step()
-    return total, dropped
+            dropped.append(output.dropped.detach())
+        parallel.mark_step()  # a step of N micro batches is never traced as one graph
+    return torch.stack(losses).sum(), torch.stack(dropped).sum() if dropped else None
 
 
 def _validation_loss(
@@ -326,15 +353,15 @@ def _validation_loss(
     if pipeline is not None:
         total = stages.from_last_stage(pipeline.forward_only([validation.batch(b) for b in blocks]))
         return _data_parallel_mean(total / batches)
-    total = torch.zeros((), device=device)
+    losses = []  # summed after the last batch (as in `_accumulate`): every batch is the same graph
     with torch.no_grad():
         for block in blocks:
             input_ids, targets = validation.batch(block)
             output = model(input_ids.to(device), targets.to(device))
             assert output.loss is not None
-            total += output.loss - output.aux_loss if output.aux_loss is not None else output.loss
+            losses.append(output.loss - output.aux_loss if output.aux_loss is not None else output.loss)
             parallel.mark_step()
-    return _data_parallel_mean(total / batches)
+    return _data_parallel_mean(torch.stack(losses).sum() / batches)
 
 
 @dataclass

@@ -135,10 +135,10 @@ def layer_activation_bytes(w: Workload, checkpointing: ActivationCheckpointing |
     d, i = s.head_dim, s.intermediate_size // w.tp
     total = 2 * _norm(local, w)
     total += tokens * d * b * a  # o_proj's input (the rotation keeps only its cos/sin tables)
-    if mode == "selective":
-        total += tokens * d * b * (a + 2 * g)  # the recomputed core's inputs: rotated q and k, v
-    elif w.flash_attention:
+    if w.flash_attention:  # never recomputed: the kernel's backward recomputes its blocks itself
         total += tokens * (d * b * 3 * a + 4 * a)  # q, repeated k and v; fp32 log-sum-exp (output: o_proj's)
+    elif mode == "selective":
+        total += tokens * d * b * (a + 2 * g)  # the recomputed core's inputs: rotated q and k, v
     else:
         total += tokens * d * b * 3 * a  # q, repeated k and v
         total += w.micro * a * w.seq_len**2 * (4 + (b if b != 4 else 0))  # softmax in fp32 (and cast)
@@ -336,7 +336,7 @@ def workload_of(recipe: Recipe, config: dict[str, Any], hardware: Hardware) -> W
         activation_checkpointing=recipe.memory.activation_checkpointing,
         flash_attention=recipe.memory.flash_attention,
         precision=recipe.precision,
-        zero1=recipe.optimizer.zero1,
+        zero1=recipe.optimizer.zero1 and dp > 1,  # what the training job runs (`zero1_where_it_shards`)
         micro=recipe.batch.micro,
         seq_len=recipe.batch.seq_len,
         accumulation=max(1, recipe.batch.global_batch // (recipe.batch.micro * dp)),

@@ -1,0 +1,201 @@
+"""Start-up of a run that loads weights: no random initialisation, and the same model as an initialised one.
+
+Random values are counted at torch's dispatcher (tests/support/random_values.py): every seeded random
+operation whoever calls it (torch.nn.init, a layer's constructor, `initialize_weights`), not a count of
+calls to our own code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.support.random_values import random_values
+from tests.training.conftest import world_overrides
+from tests.training.tiny_models import llama, mixtral
+from training.config.recipe import load_recipe
+from training.errors import UserError
+from training.formats.convert import ConvertOptions, convert
+from training.formats.hf import read_config
+from training.local.tiny import build_tiny_world
+from training.model import parallel
+from training.model.transformer import CausalLM, Execution, build_model
+from training.train.checkpointing import _load_plain, load_pretrained
+from training.train.loop import TrainOptions, train
+
+
+@pytest.fixture
+def single_process() -> Iterator[None]:
+    parallel.initialize(1, "cpu")
+    yield
+    parallel.destroy()
+
+
+# name: (model factory, build_model options; fuse_qkv is also the converter's)
+CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any]]] = {
+    "llama": (lambda d: llama(d), {}),
+    "llama-tied-fused-qkv": (lambda d: llama(d, tied=True), {"fuse_qkv": True}),
+    "mixtral-sequence-parallel-recomputed": (
+        lambda d: mixtral(d, layers=2),
+        {"router_aux_loss": True, "execution": Execution(sequence_parallel=True, activation_checkpointing="full")},
+    ),
+}
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+
+
+SIMPLE = (bool, int, float, str, torch.device, torch.dtype, type(None))
+
+
+def simple_attributes(module: nn.Module) -> dict[str, Any]:
+    """A module's own plain attributes (settings, and e.g. the device NxD's layers record from their weight)."""
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, SIMPLE)}
+
+
+def assert_same_model(expected: CausalLM, actual: CausalLM) -> None:
+    """Bit for bit the same values, and everything a parameter carries (dtype, device, requires_grad, the
+    tensor-parallel attributes NxD reads), the same tied parameters, buffers and module attributes."""
+    ours = dict(actual.named_parameters(remove_duplicate=False))
+    theirs = dict(expected.named_parameters(remove_duplicate=False))
+    assert ours.keys() == theirs.keys()
+    for name, parameter in theirs.items():
+        other = ours[name]
+        assert (other.dtype, other.device, other.requires_grad) == (
+            parameter.dtype,
+            parameter.device,
+            parameter.requires_grad,
+        ), name
+        assert other.__dict__ == parameter.__dict__, name
+        assert torch.equal(bits(other), bits(parameter)), name
+    shared = {name: [n for n, p in theirs.items() if p is parameter] for name, parameter in theirs.items()}
+    assert shared == {name: [n for n, p in ours.items() if p is parameter] for name, parameter in ours.items()}
+    buffers = dict(expected.named_buffers())
+    assert {n: bits(b) for n, b in actual.named_buffers()}.keys() == buffers.keys()
+    assert all(torch.equal(bits(b), bits(buffers[n])) for n, b in actual.named_buffers())
+    for (name, module), (_, other) in zip(expected.named_modules(), actual.named_modules(), strict=True):
+        assert type(module) is type(other), name
+        assert simple_attributes(other) == simple_attributes(module), name
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_model_built_for_loading_makes_no_random_values_and_loads_as_an_initialised_one(
+    case: str, tmp_path: Path, single_process: None
+) -> None:
+    make, options = CASES[case]
+    source = make(tmp_path / "hf")
+    pretrained = tmp_path / "nxd"
+    convert(
+        ConvertOptions(
+            source_format="hf",
+            target_format="nxd",
+            input=source,
+            output=pretrained,
+            tp=1,
+            fuse_qkv=options.get("fuse_qkv", False),
+        )
+    )
+    config, config_path = read_config(source, None)
+    with random_values() as fresh:
+        initialised = build_model(config, seed=0, **options)
+    with random_values() as loading:
+        built = build_model(config, seed=None, **options)
+    # The fresh path draws every parameter at least once (the layers' own draws, then `initialize_weights`).
+    assert fresh.operations and fresh.bytes > parameter_bytes(initialised)
+    assert loading.operations == [] and loading.bytes == 0
+    assert {p.device.type for p in built.parameters()} == {"cpu"}
+    for model in (initialised, built):
+        load_pretrained(pretrained, config_path, model)
+    assert_same_model(initialised, built)
+    ids = torch.randint(0, config["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    expected, actual = initialised(ids, ids), built(ids, ids)
+    assert torch.equal(bits(actual.logits), bits(expected.logits))
+    assert actual.loss is not None and expected.loss is not None
+    assert torch.equal(bits(actual.loss), bits(expected.loss))
+
+
+@pytest.fixture(scope="module")
+def llama_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_tiny_world(tmp_path_factory.mktemp("tiny-llama"), "llama", tp=1)
+
+
+def run(world: dict[str, Path], checkpoints: Path, *overrides: str, resume: bool = False) -> dict[str, Any]:
+    settings = world_overrides(world, checkpoints, "parallelism.tp=1", "checkpoint.every=1", *overrides)
+    return train(TrainOptions(recipe=load_recipe("tiny-llama-cpt", settings), resume=resume))
+
+
+def test_the_training_job_draws_no_random_values_when_it_loads_weights(
+    llama_world: dict[str, Path], tmp_path: Path
+) -> None:
+    """The whole job, in this process: from pretrained weights and resumed, nothing random runs at all (the
+    tiny recipe trains in fp32: no stochastic rounding); from random weights, the initialisation does."""
+    checkpoints = tmp_path / "ckpt"
+    with random_values() as pretrained:
+        run(llama_world, checkpoints, "steps=2")
+    with random_values() as resumed:
+        summary = run(llama_world, checkpoints, "steps=3", resume=True)
+    assert summary["started_at"] == 2
+    with random_values() as fresh:
+        run(llama_world, tmp_path / "fresh", "steps=2", "model.pretrained=")
+    assert pretrained.operations == [] and resumed.operations == []
+    assert fresh.operations and fresh.bytes > 0
+    # and the resumed run trained on: its step 3 follows the steps of the pretrained run
+    records = [json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2, 3]
+
+
+def read_bytes() -> int:
+    """What this process has read so far through read(2) and its kind (a mapped page never read is not)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("/proc/self/io has no rchar")
+
+
+class _Payload:
+    """Unpickling this runs a shell command: what a file planted on shared storage could hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checking_a_pickle_reads_the_pickle_not_the_tensors(tmp_path: Path) -> None:
+    """The safety pass before NxD's loader (`data=False`): the pickle is unpickled the safe way, the tensors'
+    bytes are mapped and never read; a planted pickle is still refused in one line, in every format."""
+    path = tmp_path / "rank.pt"
+    generator = torch.Generator().manual_seed(0)
+    torch.save({f"w{i}": torch.randn(1024, 1024, generator=generator) for i in range(4)}, path)  # 16 MiB
+    before = read_bytes()
+    checked = _load_plain(path, data=False)
+    read = read_bytes() - before
+    assert read < path.stat().st_size / 100, read
+    assert checked.keys() == {"w0", "w1", "w2", "w3"}
+    before = read_bytes()
+    _load_plain(path)
+    assert read_bytes() - before >= path.stat().st_size  # what the pass read before
+    marker = tmp_path / "PWNED"
+    for legacy in (False, True):
+        planted = tmp_path / f"planted-{legacy}.pt"
+        torch.save({"state": _Payload(marker)}, planted, _use_new_zipfile_serialization=not legacy)
+        with pytest.raises(UserError, match=rf"^{planted}: refused to unpickle posix.system \(it could run code\)"):
+            _load_plain(planted, data=False)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(UserError, match=rf"^{truncated}: not a readable torch.save file, truncated or corrupt"):
+        _load_plain(truncated, data=False)
+    assert not marker.exists()
