@@ -382,7 +382,9 @@ def test_status_says_why_nodes_cannot_start(
     node = slurm.nodes[-1]
     slurm.run("scontrol", "update", f"NodeName={node}", "State=DOWN", f"Reason={reason}")
     try:
-        run_dir = run("tiny-llama-cpt", sources["llama"], site, "llama-no-capacity", "steps=2", "nodes=3")
+        run_dir = run(
+            "tiny-llama-cpt", sources["llama"], site, "llama-no-capacity", "steps=2", "nodes=3", "batch.global=12"
+        )
         runs.print_status(run_dir)
         runs.cancel(run_dir)
     finally:
