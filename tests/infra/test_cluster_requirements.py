@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from stacks.cluster_requirements import LOCK, REQUIREMENTS_IN, normalized, pins_of, read_lock, resolve
+from stacks.cluster_requirements import LOCK, REQUIREMENTS_IN, SOURCE_ONLY, normalized, pins_of, read_lock, resolve
 
 
 def test_lock_resolves_to_itself_for_the_nodes_python() -> None:
@@ -33,3 +33,9 @@ def test_the_development_transformers_does_not_install_on_the_nodes_python() -> 
     imports transformers.utils.fx, which transformers 5 removed."""
     with pytest.raises(RuntimeError, match=r"transformers==5\.23\.0"):
         resolve(["transformers==5.23.0"])
+
+
+def test_source_only_requirements_are_the_locked_versions() -> None:
+    """The wheels `make lock` builds from source are the versions the lock pins (the nodes' pip builds those)."""
+    locked = {normalized(pin): pin for pin in read_lock()}
+    assert [locked.get(normalized(pin)) for pin in SOURCE_ONLY] == list(SOURCE_ONLY)
