@@ -460,7 +460,7 @@ def evaluation_from_json(report: dict[str, Any]) -> Evaluation:
                 delta_points=_float(result.get("delta_points")),
                 limit=result.get("limit") if isinstance(result.get("limit"), int) else None,
             )
-            for name, result in sorted(tasks.items())
+            for name, result in tasks.items()  # in the order the evaluation stage wrote them
             if isinstance(result, dict)
         ),
         max_drop=_float(gate.get("max_drop")),
