@@ -179,7 +179,8 @@ def change_data(run: Path, base: Path) -> str:
 
 
 def change_samples(run: Path, base: Path) -> str:
-    (run / "samples.json").write_text(json.dumps({"top_k": 5, "samples": [{"prompt": "p", "greedy": "g", "top_k": "k"}]}))
+    record = {"top_k": 5, "samples": [{"prompt": "p", "greedy": "g", "top_k": "k"}]}
+    (run / "samples.json").write_text(json.dumps(record))
     return "Top-5 sampling"
 
 
@@ -257,16 +258,17 @@ def test_a_mix_names_its_sources_shares_and_hub_datasets(made: Made) -> None:
 def test_model_output_cannot_break_out_of_its_block_or_a_table() -> None:
     samples = card.Samples(3, (card.Sample("```\n# heading", "a ````` b", "c | d"),))
     evaluation = card.Evaluation((card.TaskResult("x|y", "acc", 0.5, None, None, None),), None, None, ())
-    text = card.card_text(
-        card.CardInputs(run_id="r", recipe_name=None, base=card.read_base_model(None), samples=samples, evaluation=evaluation)
-    )
+    base = card.read_base_model(None)
+    inputs = card.CardInputs(run_id="r", recipe_name=None, base=base, samples=samples, evaluation=evaluation)
+    text = card.card_text(inputs)
     assert "``````text\na ````` b\n``````" in text and "````text\n```\n# heading\n````" in text
     assert "| `x\\|y` | `acc` | n/a | 0.5 | n/a | all |" in text
     assert "The gate's verdict is not recorded." in text
 
 
 def test_the_pins_come_from_the_environment_marker_else_from_the_shipped_source(tmp_path: Path) -> None:
-    (tmp_path / ENV_MARKER).write_text("neuron_release=2.28.1\nrequirements_sha256=" + "b" * 64 + "\nbuilt=2026-01-01\n")
+    marker = f"neuron_release=2.28.1\nrequirements_sha256={'b' * 64}\nbuilt=2026-01-01T00:00:00Z\n"
+    (tmp_path / ENV_MARKER).write_text(marker)
     marked = running_pins(tmp_path)
     assert marked == Pins("2.28.1", "b" * 64, f"the job's Python environment ({tmp_path / ENV_MARKER})")
     shipped = running_pins(tmp_path / "no-marker")
