@@ -67,6 +67,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     (base / card.FETCH_MANIFEST).write_text(
         json.dumps({"repo_id": REPO_ID, "revision": "d04e592bb4f6aa9cfee91e2e20afa771667e1d4b", "license": "llama3.1"})
     )
+    (base / "LICENSE").write_text("LLAMA 3.1 COMMUNITY LICENSE AGREEMENT\n")
+    (base / "USE_POLICY.md").write_text("# Llama 3.1 Acceptable Use Policy\n")
     corpus = write_jsonl(root / "corpus.jsonl", ({"text": t} for t in sample_documents(120)))
     overrides = [f"model.config={base}", f"prepare.source={corpus}", "steps=3"]
     recipe = load_recipe("tiny-llama-cpt", overrides)
@@ -89,7 +91,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     (run / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     prepare = ["prepare", "pretrain", "--source", str(corpus), "--tokenizer", str(tokenizer)]
     assert main([*prepare, "--output", str(run / "data"), "--seq-len", "32", "--num-proc", "1"]) == 0
-    shutil.copytree(base, run / "hf", ignore=shutil.ignore_patterns(card.FETCH_MANIFEST))  # the trained model
+    not_converted = shutil.ignore_patterns(card.FETCH_MANIFEST, "LICENSE", "USE_POLICY.md")  # convert copies neither
+    shutil.copytree(base, run / "hf", ignore=not_converted)  # the trained model
     (run / "checkpoints").mkdir()
     (run / "checkpoints" / "metrics.jsonl").write_text(metrics_lines(6))
     sample = ["sample", "--recipe", str(run / "recipe.yaml"), "--input", str(run / "hf")]
@@ -141,8 +144,13 @@ def test_the_card_carries_the_licence_the_base_model_and_the_runs_provenance(run
 
     assert "](metrics.png)" in text  # rendered from hf/ alone: the picture is inside it
     assert (tmp_path / "results" / "hf" / "metrics.png").read_bytes() == (run_dir / "metrics.png").read_bytes()
+    for name in ("LICENSE", "USE_POLICY.md"):  # the licence travels with the weights
+        assert (tmp_path / "results" / "hf" / name).read_bytes() == (tmp_path / "base" / name).read_bytes()
+        assert f"[{name}]({name})" in text
     manifest = json.loads((tmp_path / "results" / "manifest.json").read_text())
-    assert {"hf/README.md", "hf/metrics.png", "evaluation.json", "evaluation.md"} <= set(manifest["files"])
+    assert {"hf/README.md", "hf/metrics.png", "hf/LICENSE", "evaluation.json", "evaluation.md"} <= set(
+        manifest["files"]
+    )
 
 
 def test_exports_of_the_same_run_write_the_same_card_and_reuse_the_output(
@@ -212,9 +220,15 @@ def test_a_run_with_only_its_model_gets_a_card_that_says_what_did_not_run(tmp_pa
 
 
 def test_a_base_model_without_a_fetch_record_is_named_by_its_own_files(tmp_path: Path, made: Made) -> None:
-    base = shutil.copytree(made.base, tmp_path / "Mixtral-8x7B", ignore=shutil.ignore_patterns(card.FETCH_MANIFEST))
+    fetched = shutil.ignore_patterns(card.FETCH_MANIFEST, "LICENSE", "USE_POLICY.md")
+    base = shutil.copytree(made.base, tmp_path / "Mixtral-8x7B", ignore=fetched)
     unknown = card.read_base_model(base)
-    assert (unknown.name, unknown.hub_id, unknown.license) == ("Mixtral-8x7B", None, "unknown")
+    assert (unknown.name, unknown.hub_id, unknown.license, unknown.licence_files) == (
+        "Mixtral-8x7B",
+        None,
+        "unknown",
+        (),
+    )
     assert "no `fetch-manifest.json`" in (unknown.note or "") and "not recorded" in (unknown.note or "")
 
     (base / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: [fr, en]\n---\n\n# Mixtral\n")

@@ -2,7 +2,8 @@
 know where it came from.
 
 The Hub's model-card format: YAML front matter (licence, base model, datasets, tags, evaluation results as
-`model-index`), made by huggingface_hub's `ModelCardData`, then Markdown: the base model and its licence, the
+`model-index`), made by huggingface_hub's `ModelCardData`, then Markdown: the base model and its licence (its
+licence files, such as Llama's LICENSE and USE_POLICY.md, copied beside the card), the
 data with the SHA-256 of the prepared data and of the tokenizer, the recipe and the overrides it was submitted
 with, the software, the loss plot (copied into `hf/` so the card renders after a push of `hf/` alone), the
 evaluation against the base model with the gate's verdict, and the samples.
@@ -34,6 +35,9 @@ PLOT = "metrics.png"
 FETCH_MANIFEST = "fetch-manifest.json"  # written into the base model directory by the fetch stage
 UNKNOWN_LICENSE = "unknown"  # the Hub's identifier for a licence nobody recorded
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# The files in which a base model's repository states its licence and its terms of use; copied beside the card,
+# as licences such as Llama 3.1's ask of a redistribution.
+LICENCE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "NOTICE", "USE_POLICY.md")
 KIND_TAGS = {"pretrain": "continued-pretraining", "sft": "supervised-fine-tuning"}
 KIND_WORDS = {"pretrain": "continued pretraining", "sft": "supervised chat fine-tuning"}
 
@@ -51,6 +55,8 @@ class BaseModel:
     revision: str | None = None
     model_type: str | None = None
     note: str | None = None  # why the licence or the origin is not known
+    licence_files: tuple[str, ...] = ()  # of LICENCE_FILES, those the base model directory has
+    directory: Path | None = field(default=None, compare=False)  # where they are (not shown: a path of this site)
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,9 @@ def _base_section(base: BaseModel) -> str:
         rows.append(("Architecture", f"`{base.model_type}`"))
     rows.append(("Licence", f"`{base.license}`"))
     note = f"\n\n{base.note}" if base.note else ""
+    if base.licence_files:
+        links = ", ".join(f"[{name}]({name})" for name in base.licence_files)
+        note += f"\n\nThe base model's licence files, copied beside this card: {links}. Read them before sharing."
     return "## Base model\n\n" + _table(("", ""), rows) + note
 
 
@@ -372,6 +381,7 @@ def read_base_model(directory: Path | None) -> BaseModel:
         return BaseModel(name="not recorded", license=UNKNOWN_LICENSE, note=_unknown_note("the run records no model"))
     config = _json_object(directory / "config.json")
     model_type = _str(config.get("model_type")) if isinstance(config, dict) else None
+    licence_files = tuple(name for name in LICENCE_FILES if (directory / name).is_file())
     fetched = _json_object(directory / FETCH_MANIFEST)
     if isinstance(fetched, dict) and _str(fetched.get("repo_id")):
         repo_id = str(fetched["repo_id"])
@@ -383,9 +393,11 @@ def read_base_model(directory: Path | None) -> BaseModel:
             license=license_id or UNKNOWN_LICENSE,
             model_type=model_type,
             note=None if license_id else _unknown_note(f"{FETCH_MANIFEST} records none"),
+            licence_files=licence_files,
+            directory=directory,
         )
     recorded = _str(config.get("_name_or_path")) if isinstance(config, dict) else None
-    hub_id = recorded if recorded and HUB_ID.match(recorded) and not (directory / recorded).exists() else None
+    hub_id = recorded if recorded and HUB_ID.match(recorded) and not Path(recorded).exists() else None
     license_id = readme_license(directory / CARD)
     return BaseModel(
         name=hub_id or directory.name,
@@ -396,6 +408,8 @@ def read_base_model(directory: Path | None) -> BaseModel:
             f"The base model directory `{directory.name}` has no `{FETCH_MANIFEST}`: its origin is taken from its "
             "own files." + ("" if license_id else " " + _unknown_note("its README.md names none"))
         ),
+        licence_files=licence_files,
+        directory=directory,
     )
 
 
@@ -483,7 +497,8 @@ def samples_from_json(record: dict[str, Any]) -> Samples:
 
 
 def write_card(run_dir: Path, *, plot: bool) -> Path | None:
-    """`hf/README.md` (and `hf/metrics.png` beside it), each rewritten only when it changes; None when the run
+    """`hf/README.md` (and beside it `metrics.png` and the base model's licence files), each rewritten only when it
+    changes; None when the run
     has no exported model yet. OSError (a read-only run directory) is the caller's to report."""
     model = run_dir / "hf"
     if not model.is_dir():
@@ -495,8 +510,12 @@ def write_card(run_dir: Path, *, plot: bool) -> Path | None:
     else:
         plot = False
         copied.unlink(missing_ok=True)  # never a stale picture the card no longer shows
+    inputs = read_inputs(run_dir, plot=plot)
+    for name in inputs.base.licence_files:
+        assert inputs.base.directory is not None  # read from there
+        _write_if_changed(model / name, (inputs.base.directory / name).read_bytes())
     card = model / CARD
-    _write_if_changed(card, card_text(read_inputs(run_dir, plot=plot)).encode())
+    _write_if_changed(card, card_text(inputs).encode())
     return card
 
 
