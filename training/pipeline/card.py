@@ -257,10 +257,14 @@ def _software_section(pins: software.Pins | None, packages: tuple[tuple[str, str
         rows.append(("Neuron SDK release", f"`{pins.neuron_release}`" if pins.neuron_release else "not recorded"))
         rows.append(("Cluster lock SHA-256", _code(pins.lock_sha256) if pins.lock_sha256 else "not recorded"))
     rows.extend((_code(name), f"`{version}`") for name, version in packages)
-    origin = f"\n\nThe Neuron release and the lock digest are those of {pins.origin}." if pins else ""
     if not rows:
         return "## Software\n\nNot recorded."
-    return "## Software\n\n" + _table(("", "Version"), rows) + origin
+    origin = f" The Neuron release and the lock digest are those of {pins.origin}." if pins else ""
+    where = (
+        "\n\nThe packages are those of the Python environment that exported the run (in the pipeline the site's "
+        f"interpreter, which ran its training too).{origin}"
+    )
+    return "## Software\n\n" + _table(("", "Version"), rows) + where
 
 
 def _plot_section(plot: bool) -> str:
