@@ -231,6 +231,7 @@ def test_a_base_model_without_a_fetch_record_is_named_by_its_own_files(tmp_path:
     )
     assert "no `fetch-manifest.json`" in (unknown.note or "") and "not recorded" in (unknown.note or "")
 
+    (base / card.FETCH_MANIFEST).write_text("{not json")  # a damaged record counts as none
     (base / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: [fr, en]\n---\n\n# Mixtral\n")
     config = json.loads((base / "config.json").read_text())
     (base / "config.json").write_text(json.dumps({**config, "_name_or_path": "mistralai/Mixtral-8x7B-v0.1"}))

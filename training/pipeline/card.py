@@ -387,6 +387,8 @@ def read_base_model(directory: Path | None) -> BaseModel:
     model_type = _str(config.get("model_type")) if isinstance(config, dict) else None
     licence_files = tuple(name for name in LICENCE_FILES if (directory / name).is_file())
     fetched = _json_object(directory / FETCH_MANIFEST)
+    if isinstance(fetched, str):
+        log.warning(f"model card: {directory}/{fetched} (the base model is then named by its own files)")
     if isinstance(fetched, dict) and _str(fetched.get("repo_id")):
         repo_id = str(fetched["repo_id"])
         license_id = _str(fetched.get("license"))
