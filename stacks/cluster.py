@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from aws_cdk import Aws, CfnStack, CustomResource, Fn, RemovalPolicy
 from aws_cdk import aws_ec2 as ec2
@@ -19,8 +17,8 @@ from constructs import Construct
 from stacks.cluster_requirements import LOCK
 from stacks.config import PARALLELCLUSTER_VERSION
 from stacks.pcluster_config import ClusterResources, ClusterSettings, build_cluster_configuration
+from training.software import BOOTSTRAP_SCRIPT, pinned_neuron_release
 
-BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "node" / "on_node_configured.sh"
 # ParallelCluster's provider may attach only policies under this path (or named parallelcluster*).
 PARALLELCLUSTER_POLICY_PATH = "/parallelcluster/"
 # The bucket prefix of the files nodes read while bootstrapping, at keys that never change: the cluster
@@ -60,14 +58,6 @@ def provider_template_url(version: str) -> str:
         "https://${AWS::Region}-aws-parallelcluster.s3.${AWS::Region}.${AWS::URLSuffix}"
         f"/parallelcluster/{version}/templates/custom_resource/cluster.yaml"
     )
-
-
-def pinned_neuron_release(script: str) -> str:
-    """The Neuron SDK release the bootstrap script pins; the script is the one place it is written."""
-    match = re.search(r'^NEURON_RELEASE="([0-9.]+)"$', script, flags=re.MULTILINE)
-    if match is None:
-        raise ValueError("the bootstrap script pins no NEURON_RELEASE")
-    return match.group(1)
 
 
 def bootstrap_neuron_release() -> str:

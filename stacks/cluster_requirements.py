@@ -18,9 +18,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from training.software import CLUSTER_LOCK
+
 ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS_IN = ROOT / "assets" / "node" / "cluster-requirements.in"
-LOCK = ROOT / "assets" / "node" / "cluster-requirements.txt"
+LOCK = CLUSTER_LOCK  # the model card reports its digest
 NODE_PYTHON = "3.10"  # Ubuntu 22.04's python3, the ParallelCluster image the environments use
 NODE_GLIBC_MINOR = 35  # Ubuntu 22.04: glibc 2.35, so wheels tagged manylinux_2_17 ... manylinux_2_35 install
 # Pure-Python requirements of the lock that publish no wheel (lm-eval needs both). pip cannot resolve source

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
 from tests.support.parallelcluster_shell import (
@@ -184,6 +185,12 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     metrics = [json.loads(line) for line in (exported / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 11)) and metrics[-1]["loss"] < metrics[0]["loss"]
     assert (exported / "logs").is_dir() and (exported / "run.json").is_file()
+    card = ModelCard.load(exported / "hf" / "README.md")  # the model card, as the Hub reads it
+    assert card.data.license == "unknown" and card.data.pipeline_tag == "text-generation"  # a base without record
+    assert {"continued-pretraining" if name == "llama" else "supervised-fine-tuning", "trainium"} <= set(card.data.tags)
+    prepared = json.loads((run_dir / "data" / "manifest.json").read_text())
+    assert prepared["tokenizer"]["sha256"] in card.text and samples[0]["greedy"].strip() in card.text
+    assert "](metrics.png)" in card.text and (exported / "hf" / "metrics.png").is_file()
 
 
 def test_training_over_two_nodes_matches_one_node(

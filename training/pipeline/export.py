@@ -11,6 +11,11 @@ time, part of the export's fingerprint, stays the same and a rerun still reuses 
 whose metrics cannot be drawn (none logged, a damaged file, a run directory that is not writable) is
 exported without the plot, with a warning.
 
+The model card `hf/README.md` (training.pipeline.card) is written next, with a copy of the plot beside it so
+the card renders from `hf/` alone; the same rule keeps its modification time while its text is unchanged, and
+any change of what it reports (an evaluation, new samples, another base-model record) changes the fingerprint.
+A run without `hf/` has no card; one whose card cannot be written is exported without it, with a warning.
+
 Both ends say when an export is complete. A local export is written beside its destination and renamed
 into place (training.outputs), so the directory holds a whole export or nothing; its `manifest.json`
 lets a rerun from the same files reuse it. S3 has no rename: the manifest is deleted, the objects are
@@ -33,7 +38,19 @@ from training.errors import UserError
 log = logging.getLogger(__name__)
 METRICS = "checkpoints/metrics.jsonl"
 PLOT = "metrics.png"
-EXPORTED = ("hf", METRICS, "tensorboard", PLOT, "samples.json", "logs", "run.json", "recipe.yaml")
+CARD = Path("hf") / "README.md"  # the model card, written by write_card
+EXPORTED = (
+    "hf",
+    METRICS,
+    "tensorboard",
+    PLOT,
+    "samples.json",
+    "evaluation.json",
+    "evaluation.md",
+    "logs",
+    "run.json",
+    "recipe.yaml",
+)
 
 
 def files_to_export(run_dir: Path, with_checkpoints: bool) -> list[Path]:
@@ -56,7 +73,10 @@ def export(
         raise UserError(f"--run-dir {run_dir}: no run.json (not a run directory)")
     run_id = json.loads((run_dir / "run.json").read_text()).get("run_id")
     drawn = draw_plot(run_dir, run_id)
-    files = [f for f in files_to_export(run_dir, with_checkpoints) if drawn or f != Path(PLOT)]  # never a stale one
+    carded = write_card(run_dir, drawn)
+    stale = ({Path(PLOT)} if not drawn else set()) | ({CARD} if not carded else set())  # never a stale one
+    stale |= {CARD.parent / PLOT} if not (drawn and carded) else set()
+    files = [f for f in files_to_export(run_dir, with_checkpoints) if f not in stale]
     manifest = {
         "kind": "export",
         "fingerprint": outputs.files_fingerprint(run_dir, files),
@@ -90,6 +110,17 @@ def draw_plot(run_dir: Path, run_id: str | None) -> bool:
         log.warning(f"exporting without {PLOT}: {error.filename or run_dir}: {error.strerror or error}")
         return False
     return True
+
+
+def write_card(run_dir: Path, drawn: bool) -> bool:
+    """The model card in `hf/` (training.pipeline.card); False (with a warning) when it cannot be written."""
+    from training.pipeline import card
+
+    try:
+        return card.write_card(run_dir, plot=drawn) is not None
+    except OSError as error:
+        log.warning(f"exporting without {CARD}: {error.filename or run_dir}: {error.strerror or error}")
+        return False
 
 
 def _to_directory(run_dir: Path, files: list[Path], target: Path, manifest: dict[str, Any], *, overwrite: bool) -> bool:
