@@ -385,7 +385,10 @@ def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int
     parser.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per block (default: {seq_len})")
     parser.add_argument("--output", required=True, type=Path, help="directory to write (datasets.load_from_disk)")
     parser.add_argument(
-        "--split", default="train", action=_PerSourceOption, help="split of a hub dataset (default: train)"
+        "--split",
+        default="train",
+        action=_PerSourceOption,
+        help="split of a hub dataset (after a --source: of that source; default: train)",
     )
     parser.add_argument(
         "--num-proc", type=int, default=os.cpu_count() or 1, help="tokenizer threads (default: all cores)"
