@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shlex
@@ -17,7 +18,7 @@ from transformers import AutoTokenizer
 from tests.training.conftest import sample_documents, write_jsonl
 from training.cli import main
 from training.config.recipe import load_recipe
-from training.data.mixing import MixSource
+from training.data.mixing import MixSource, mix
 from training.data.prepare import PretrainOptions, SftOptions, data_sha256, prepare_pretrain, prepare_sft
 from training.errors import UserError
 
@@ -340,3 +341,94 @@ def test_the_prepare_job_renders_each_source_with_its_options_quoted(tmp_path: P
         "1.0",
     ]
     assert words.count("--source") == 2
+
+
+# --- the mixer on its own -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_mixer_keeps_every_source_within_one_item_of_its_weight_at_every_point(seed: int) -> None:
+    import random
+
+    rng = random.Random(100 + seed)
+    streams = [[rng.randint(1, 50) for _ in range(count)] for count in (400, 300, 500)]
+    weights = [1.0, 2.5, 0.5]
+    mixed, stats = mix(streams, weights, tokens_of=lambda length: length, seed=seed)
+    taken = [0, 0, 0]
+    order = []
+    for index, length in mixed:
+        taken[index] += length
+        order.append(index)
+        # The bound the key gives (training.data.mixing): source i ahead of j by at most one item of each.
+        for i, j in itertools.permutations(range(3), 2):
+            assert taken[i] / weights[i] - taken[j] / weights[j] <= 50 / weights[i] + 50 / weights[j]
+    assert taken == stats.tokens and stats.items == [order.count(i) for i in range(3)]
+    assert stats.ended_by is not None and stats.items[stats.ended_by] == len(streams[stats.ended_by])
+    again, _ = mix(streams, weights, tokens_of=lambda length: length, seed=seed)
+    other, _ = mix(streams, weights, tokens_of=lambda length: length, seed=seed + 10)
+    assert [i for i, _ in again] == order != [i for i, _ in other]
+
+
+def test_the_mixer_keeps_each_source_in_its_own_order() -> None:
+    streams = [[("a", n) for n in range(20)], [("b", n) for n in range(20)]]
+    mixed, _ = mix(streams, [1.0, 1.0], tokens_of=lambda item: 3, seed=5)
+    items = [item for _, item in mixed]
+    for name in "ab":
+        numbers = [n for source, n in items if source == name]
+        assert numbers == list(range(len(numbers)))
+
+
+# --- SFT on the command line ----------------------------------------------------------------------------------
+
+
+def test_the_sft_command_line_gives_each_chat_set_its_own_validation(
+    chat_sets: dict[str, Path], chat_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    command = ["prepare", "sft", "--tokenizer", str(chat_tokenizer), "--seq-len", "128", "--seed", "3"]
+    command += ["--source", str(chat_sets["alpha"]), "--weight", "1", "--validation", str(chat_sets["alpha-val"])]
+    command += ["--source", str(chat_sets["beta"]), "--weight", "1", "--validation", str(chat_sets["beta-val"])]
+    status, out, _ = cli([*command, "--output", str(tmp_path / "cli")], capsys)
+    assert status == 0
+    mix_sources = (
+        MixSource(str(chat_sets["alpha"]), validation=str(chat_sets["alpha-val"])),
+        MixSource(str(chat_sets["beta"]), validation=str(chat_sets["beta-val"])),
+    )
+    api = prepare_sft(sft(chat_tokenizer, tmp_path / "api", *mix_sources, seed=3, batch_size=256))
+    assert json.loads(out)["data_sha256"] == api["data_sha256"]
+    assert json.loads(out)["splits"]["validation"]["examples"] == 7
+
+
+def test_a_validation_file_before_the_first_source_of_a_local_mix_is_refused(
+    chat_sets: dict[str, Path], chat_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    command = ["prepare", "sft", "--tokenizer", str(chat_tokenizer), "--validation", str(chat_sets["alpha-val"])]
+    command += ["--source", str(chat_sets["alpha"]), "--source", str(chat_sets["beta"]), "--output", str(out)]
+    status, printed, error = cli(command, capsys)
+    assert status == 2 and not printed and error.count("\n") == 1
+    assert error.startswith(f"error: --validation {chat_sets['alpha-val']}: before the first --source it would be")
+    assert not out.exists()
+
+
+def test_an_unknown_hub_dataset_in_a_mix_is_one_line(
+    corpora: tuple[Path, Path],
+    llama_tokenizer: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import huggingface_hub
+
+    # As in test_prepare_pretrain: the libraries read HF_HUB_OFFLINE at import, so their constants are set too.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    big, _ = corpora
+    out = tmp_path / "out"
+    command = ["prepare", "pretrain", "--tokenizer", str(llama_tokenizer), "--source", str(big)]
+    command += ["--source", "no-such-org/no-such-corpus", "--split", "dev", "--output", str(out)]
+    status, printed, error = cli(command, capsys)
+    assert status == 2 and not printed and error.count("\n") == 1
+    assert error.startswith("error: --source no-such-org/no-such-corpus: cannot load dataset split 'dev' ")
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]

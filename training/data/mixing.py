@@ -3,10 +3,11 @@
 A weight is a share of tokens: with weights 3 and 1, three quarters of the mixed tokens come from the first
 source. The mixer is a weighted fair queue: every source holds its next item, and the next item taken is the
 one with the smallest key `(tokens taken from that source + u * tokens of the item) / weight`, where `u` in
-[0, 1) is drawn from `random.Random(seed)` once per item. The key lies between the source's share before and
-after the item, so at every point each source's tokens divided by its weight differ from any other's by at
-most one item (realised shares are the weights up to one document per source), while the seed decides the
-order within that bound: another seed, another interleaving. `random.Random.random()` keeps its sequence for
+[0, 1) is drawn from `random.Random(seed)` once per item. The key lies between the source's tokens per unit of
+weight before and after the item, so at every point source i leads source j (in tokens per unit of weight) by at
+most one item of each: `t_i / w_i - t_j / w_j <= L_i / w_i + L_j / w_j` with L the longest item; realised shares
+are the weights up to about one document per source. The seed decides the order within that bound: another
+seed, another interleaving. `random.Random.random()` keeps its sequence for
 a seed across Python versions, so the output is bit-reproducible.
 
 The mix ends when the first source runs out (its data or its limit): past that point the others could only
