@@ -7,8 +7,8 @@ one with the smallest key `(tokens taken from that source + u * tokens of the it
 weight before and after the item, so at every point source i leads source j (in tokens per unit of weight) by at
 most one item of each: `t_i / w_i - t_j / w_j <= L_i / w_i + L_j / w_j` with L the longest item; realised shares
 are the weights up to about one document per source. The seed decides the order within that bound: another
-seed, another interleaving. `random.Random.random()` keeps its sequence for
-a seed across Python versions, so the output is bit-reproducible.
+seed, another interleaving. `random.Random.random()` keeps its sequence for a seed across Python versions, so
+the output is bit-reproducible.
 
 The mix ends when the first source runs out (its data or its limit): past that point the others could only
 continue by leaving the weights, so the shares stay the weights and the manifest names the source that ended it.

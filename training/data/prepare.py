@@ -5,6 +5,10 @@ BOS ... EOS so the model sees where documents end, the remainder of each batch c
 final partial block of the whole corpus is dropped, and `input_ids` are stored once as int32 (the loader
 derives labels). Tokenization runs in the Rust tokenizer's thread pool (`--num-proc` threads) on batches
 in input order, so the output is identical whatever the thread count.
+
+Several sources (`mix`) are interleaved document by document (SFT: example by example) by token share and seed
+(training.data.mixing); a mix of one source is the one-source path, with its fingerprint and its bytes. Every
+manifest records `data_sha256`, the digest of the prepared Arrow files (`data_sha256` below).
 """
 
 from __future__ import annotations
