@@ -18,10 +18,12 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from training.config.recipe import bundled_recipes
+from training.data.mixing import MixSource
 from training.errors import UserError, decode_error, os_error, report
 from training.logs import LEVEL_VARIABLE, setup_logging
 from training.monitoring.neuron import NEURON_MONITOR
@@ -131,7 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common_arguments(pretrain, DEFAULT_PRETRAIN_SOURCE, DEFAULT_PRETRAIN_SEQ_LEN)
     pretrain.add_argument("--text-column", default="text", help="column holding the document text (default: text)")
-    pretrain.add_argument("--max-documents", type=int, help="stop after this many documents (default: all)")
+    pretrain.add_argument(
+        "--max-documents",
+        type=int,
+        action=_PerSourceOption,
+        help="stop after this many documents (after a --source: of that source; default: all)",
+    )
     pretrain.add_argument(
         "--add-bos", action=argparse.BooleanOptionalAction, default=True, help="BOS before every document"
     )
@@ -155,10 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--messages-column", default="messages", help="column of [{role, content}] lists")
     sft.add_argument(
         "--validation",
+        action=_PerSourceOption,
         help=f"validation data: a split name for a hub dataset (default: {DEFAULT_SFT_VALIDATION_SPLIT}), "
-        "a file or directory for local data (default: none); 'none' to skip",
+        "a file or directory for local data (default: none); 'none' to skip; after a --source of a mix: that "
+        "source's (a mix's validation split holds each source's validation examples whole)",
     )
-    sft.add_argument("--max-examples", type=int, help="stop after this many examples per split (default: all)")
+    sft.add_argument(
+        "--max-examples",
+        type=int,
+        action=_PerSourceOption,
+        help="stop after this many examples per split (after a --source: of that source; default: all)",
+    )
 
     formats = ("hf", "nxd", "nemo")
     convert = _command(
@@ -327,16 +341,55 @@ def parse_size(text: str) -> int:
     raise UserError(f"--max-shard-size {text}: not a size; allowed: a number of bytes or e.g. 500MB, 5GB")
 
 
+class _SourceOption(argparse.Action):
+    """`--source` starts one source of a mix; the options of `_PerSourceOption` after it are that source's."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        namespace.mix = [*(namespace.mix or []), {"source": values}]
+
+
+class _PerSourceOption(argparse.Action):
+    """An option given after a `--source` belongs to that source; before the first `--source` it is the default
+    of every source (`--weight` has no such default: it always weighs the source before it)."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        if not namespace.mix:
+            if self.dest == "weight":
+                raise argparse.ArgumentError(self, f"{values}: a weight without a source; put it after its --source")
+            setattr(namespace, self.dest, values)
+            return
+        current = namespace.mix[-1]
+        if self.dest in current:
+            raise argparse.ArgumentError(self, f"given twice for --source {current['source']}")
+        current[self.dest] = values
+
+
 def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int) -> None:
+    parser.set_defaults(mix=None)
     parser.add_argument(
         "--source",
-        default=source,
-        help=f"hub dataset NAME[:CONFIG], or a .jsonl/.parquet/.txt file or directory (default: {source})",
+        action=_SourceOption,
+        help="hub dataset NAME[:CONFIG], or a .jsonl/.parquet/.txt file or directory; repeat it to mix several "
+        f"(default: {source})",
+    )
+    parser.add_argument(
+        "--weight",
+        type=float,
+        action=_PerSourceOption,
+        help="after a --source of a mix: its share of the tokens, relative to the other weights (default: equal)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="decides the interleaving of a mix (default: 0; one source ignores it)"
     )
     parser.add_argument("--tokenizer", required=True, help="directory of a Hugging Face fast tokenizer")
     parser.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per block (default: {seq_len})")
     parser.add_argument("--output", required=True, type=Path, help="directory to write (datasets.load_from_disk)")
-    parser.add_argument("--split", default="train", help="split of a hub dataset (default: train)")
+    parser.add_argument(
+        "--split",
+        default="train",
+        action=_PerSourceOption,
+        help="split of a hub dataset (after a --source: of that source; default: train)",
+    )
     parser.add_argument(
         "--num-proc", type=int, default=os.cpu_count() or 1, help="tokenizer threads (default: all cores)"
     )
@@ -377,12 +430,14 @@ def _run(arguments: argparse.Namespace) -> dict[str, Any]:
     if arguments.command == "convert":
         return _convert(arguments)
     from training.data.prepare import PretrainOptions, SftOptions, prepare_pretrain, prepare_sft
-    from training.data.sources import resolve_source
 
+    if arguments.seed < 0:
+        raise UserError(f"--seed {arguments.seed}: must be 0 or more")
     if arguments.kind == "pretrain":
+        mix = _mix(arguments, DEFAULT_PRETRAIN_SOURCE, "max_documents")
         return prepare_pretrain(
             PretrainOptions(
-                source=arguments.source,
+                source=mix[0].source,
                 tokenizer=arguments.tokenizer,
                 seq_len=arguments.seq_len,
                 out=arguments.output,
@@ -395,26 +450,66 @@ def _run(arguments: argparse.Namespace) -> dict[str, Any]:
                 pad_final=arguments.pad_final,
                 skip_bad_records=arguments.skip_bad_records,
                 overwrite=arguments.overwrite,
+                mix=mix,
+                seed=arguments.seed,
             )
         )
-    validation = arguments.validation
-    if validation is None and not resolve_source(arguments.source).is_local:
-        validation = DEFAULT_SFT_VALIDATION_SPLIT
+    mix = _sft_validation(_mix(arguments, DEFAULT_SFT_SOURCE, "max_examples"), arguments.validation)
     return prepare_sft(
         SftOptions(
-            source=arguments.source,
+            source=mix[0].source,
             tokenizer=arguments.tokenizer,
             seq_len=arguments.seq_len,
             out=arguments.output,
             messages_column=arguments.messages_column,
             split=arguments.split,
-            validation=None if validation in (None, "none") else validation,
             num_proc=arguments.num_proc,
             max_examples=arguments.max_examples,
             skip_bad_records=arguments.skip_bad_records,
             overwrite=arguments.overwrite,
+            mix=mix,
+            seed=arguments.seed,
         )
     )
+
+
+def _mix(arguments: argparse.Namespace, default_source: str, limit: str) -> tuple[MixSource, ...]:
+    """The `--source` options in order, each with the options given after it (the default source if none)."""
+    given = arguments.mix or [{"source": default_source}]
+    weighted = [entry for entry in given if "weight" in entry]
+    if weighted and len(weighted) != len(given):
+        missing = next(entry["source"] for entry in given if "weight" not in entry)
+        raise UserError(f"--source {missing}: has no --weight; give every source of a mix a weight, or none (equal)")
+    return tuple(
+        MixSource(
+            source=entry["source"],
+            weight=entry.get("weight", 1.0),
+            limit=entry.get(limit),
+            split=entry.get("split"),
+            validation=entry.get("validation"),
+        )
+        for entry in given
+    )
+
+
+def _sft_validation(mix: tuple[MixSource, ...], default: str | None) -> tuple[MixSource, ...]:
+    """Each chat set's validation data: its own `--validation`, else the one before the first `--source`, else
+    the hub default split (local data: none); 'none' for none."""
+    from training.data.sources import resolve_source
+
+    local = [part for part in mix if resolve_source(part.source).is_local]
+    if default not in (None, "none") and len(local) > 1 and any(part.validation is None for part in local):
+        raise UserError(
+            f"--validation {default}: before the first --source it would be the validation file of every local "
+            "source of the mix; give it after the --source it belongs to"
+        )
+    resolved = []
+    for part in mix:
+        validation = part.validation or default
+        if validation is None and part not in local:
+            validation = DEFAULT_SFT_VALIDATION_SPLIT
+        resolved.append(replace(part, validation=None if validation in (None, "none") else validation))
+    return tuple(resolved)
 
 
 def _convert(arguments: argparse.Namespace) -> dict[str, Any]:

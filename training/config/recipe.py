@@ -192,11 +192,27 @@ class CheckpointSection(StrictModel):
     xser: Bool = Field(False, description="torch_xla xser files (one file per tensor)")
 
 
+class PrepareSource(StrictModel):
+    """One source of a mix (`prepare.sources`): `--source` with the options after it."""
+
+    source: Str = Field(description="hub dataset NAME[:CONFIG], or a local file or directory")
+    weight: PositiveFloat = Field(description="its share of the tokens, relative to the other weights")
+    max_records: PositiveInt | None = Field(None, description="read at most this many documents or examples of it")
+    split: Str | None = Field(None, description="split of a hub dataset; default: train")
+    validation: Str | None = Field(None, description="sft: its validation split name or local file")
+
+
 class PrepareSection(StrictModel):
     """How the pipeline's prepare stage makes `data.path` (arguments of `python -m training prepare`)."""
 
     kind: Literal["pretrain", "sft"]
-    source: Str = Field(description="hub dataset NAME[:CONFIG], or a local file or directory")
+    source: Str | None = Field(None, description="hub dataset NAME[:CONFIG], or a local file or directory")
+    sources: tuple[PrepareSource, ...] | None = Field(
+        None,
+        min_length=1,
+        description="instead of source: several sources mixed by token share (the mix ends when one runs out)",
+    )
+    seed: Seed = Field(0, description="decides the interleaving of prepare.sources")
     tokenizer: Str | None = Field(None, description="tokenizer directory; default: model.config")
     validation: Str | None = Field(None, description="sft: a split name or a local file")
     max_records: PositiveInt | None = Field(None, description="stop after this many documents or examples")
@@ -339,9 +355,31 @@ def validate(recipe: Recipe) -> list[str]:
                 "data.validation_every", recipe.data.validation_every, "0, or set data.validation_split as well"
             )
         )
+    if recipe.prepare is not None:
+        problems += _prepare_problems(recipe.prepare)
     if recipe.schedule.min_lr > recipe.optimizer.lr:
         problems.append(
             not_allowed("schedule.min_lr", recipe.schedule.min_lr, f"at most optimizer.lr ({recipe.optimizer.lr})")
+        )
+    return problems
+
+
+def _prepare_problems(prepare: PrepareSection) -> list[str]:
+    """One source or a mix, not both; each source of a mix once; a mix's validation data is per source."""
+    if (prepare.source is None) == (prepare.sources is None):
+        given = "both" if prepare.source is not None else "neither"
+        return [not_allowed("prepare.source", given, "exactly one of prepare.source and prepare.sources")]
+    if prepare.sources is None:
+        return []
+    problems = []
+    seen = set()
+    for index, part in enumerate(prepare.sources):
+        if (part.source, part.split) in seen:
+            problems.append(not_allowed(f"prepare.sources.source[{index}]", part.source, "a source not listed before"))
+        seen.add((part.source, part.split))
+    if prepare.validation is not None:
+        problems.append(
+            not_allowed("prepare.validation", prepare.validation, "nothing with prepare.sources (set each source's)")
         )
     return problems
 

@@ -174,7 +174,10 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
                 )
             )
         settings["data"]["path"] = str(run_dir / "data")
-        settings["prepare"]["source"] = _absolute_if_local(recipe.prepare.source)
+        if recipe.prepare.source is not None:
+            settings["prepare"]["source"] = _absolute_if_local(recipe.prepare.source)
+        for part in settings["prepare"]["sources"] or ():
+            part["source"] = _absolute_if_local(part["source"])
         settings["prepare"]["tokenizer"] = str(Path(recipe.prepare.tokenizer or recipe.model.config).absolute())
     else:
         data_path = Path(recipe.data.path).absolute()
@@ -229,9 +232,11 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
     python, run, settings = q(_python(plan.site)), plan.run_dir, plan.settings
     if stage.name == "prepare":
         prepare = settings["prepare"]
-        arguments = [
-            f"{python} -m training prepare {q(prepare['kind'])}",
-            f"--source {q(prepare['source'])}",
+        limit = "--max-documents" if prepare["kind"] == "pretrain" else "--max-examples"
+        arguments = [f"{python} -m training prepare {q(prepare['kind'])}"]
+        if not prepare.get("sources"):
+            arguments.append(f"--source {q(prepare['source'])}")
+        arguments += [
             f"--tokenizer {q(prepare['tokenizer'])}",
             f"--seq-len {int(settings['batch']['seq_len'])}",
             f"--output {q(str(run / 'data'))}",
@@ -239,9 +244,18 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
         ]
         if prepare.get("validation"):
             arguments.append(f"--validation {q(prepare['validation'])}")
-        if prepare.get("max_records"):
-            limit = "--max-documents" if prepare["kind"] == "pretrain" else "--max-examples"
+        if prepare.get("max_records"):  # before the first --source of a mix: every source's default
             arguments.append(f"{limit} {int(prepare['max_records'])}")
+        if prepare.get("sources"):
+            arguments.append(f"--seed {int(prepare['seed'])}")
+        for part in prepare.get("sources") or ():  # each --source followed by its own options
+            arguments.append(f"--source {q(part['source'])} --weight {q(repr(float(part['weight'])))}")
+            if part.get("split"):
+                arguments.append(f"  --split {q(part['split'])}")
+            if part.get("max_records"):
+                arguments.append(f"  {limit} {int(part['max_records'])}")
+            if part.get("validation"):
+                arguments.append(f"  --validation {q(part['validation'])}")
         return " \\\n    ".join(arguments)
     if stage.name == "convert-in":
         parallelism = settings["parallelism"]
