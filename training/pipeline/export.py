@@ -2,7 +2,7 @@
 
 An S3 URI on AWS (the results bucket, which `cdk destroy` keeps), a local directory in the demo. Copies the
 final Hugging Face model, metrics (the JSON lines, the TensorBoard event files and `metrics.png`), samples,
-logs and the run record; not the training checkpoints, which stay on the file system of the run (export them
+the evaluation (`evaluation.json`, `evaluation.md`, also when its gate failed), logs and the run record; not the training checkpoints, which stay on the file system of the run (export them
 with `--with-checkpoints`).
 
 `metrics.png` (training.pipeline.plot) is drawn from `checkpoints/metrics.jsonl` into the run directory
@@ -33,7 +33,18 @@ from training.errors import UserError
 log = logging.getLogger(__name__)
 METRICS = "checkpoints/metrics.jsonl"
 PLOT = "metrics.png"
-EXPORTED = ("hf", METRICS, "tensorboard", PLOT, "samples.json", "logs", "run.json", "recipe.yaml")
+EXPORTED = (
+    "hf",
+    METRICS,
+    "tensorboard",
+    PLOT,
+    "samples.json",
+    "evaluation.json",  # training.pipeline.evaluate's report and table, exported whether its gate passed or not
+    "evaluation.md",
+    "logs",
+    "run.json",
+    "recipe.yaml",
+)
 
 
 def files_to_export(run_dir: Path, with_checkpoints: bool) -> list[Path]:
