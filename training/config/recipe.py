@@ -388,11 +388,11 @@ def validate(recipe: Recipe) -> list[str]:
             not_allowed("schedule.min_lr", recipe.schedule.min_lr, f"at most optimizer.lr ({recipe.optimizer.lr})")
         )
     if recipe.evaluate is not None:
-        problems += _evaluate_problems(recipe, recipe.evaluate)
+        problems += _evaluate_problems(recipe.evaluate)
     return problems
 
 
-def _evaluate_problems(recipe: Recipe, evaluate: EvaluateSection) -> list[str]:
+def _evaluate_problems(evaluate: EvaluateSection) -> list[str]:
     problems = []
     if not evaluate.tasks:
         problems.append(not_allowed("evaluate.tasks", [], "at least one task"))
@@ -403,14 +403,6 @@ def _evaluate_problems(recipe: Recipe, evaluate: EvaluateSection) -> list[str]:
     if evaluate.max_drop is not None and not evaluate.base:
         problems.append(
             not_allowed("evaluate.max_drop", evaluate.max_drop, "null, or set evaluate.base true (the gate compares)")
-        )
-    if evaluate.base and recipe.model.pretrained is None:
-        problems.append(
-            not_allowed(
-                "evaluate.base",
-                True,
-                "false for a run from random weights (no model.pretrained: there is no base model to compare)",
-            )
         )
     return problems
 

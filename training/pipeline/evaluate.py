@@ -64,9 +64,7 @@ def pick_score(task: EvaluationTask, results: Mapping[str, Any]) -> TaskScore:
         raise UserError(f"evaluate task {task.name}: the harness reported no metric")
     metric = task.metric or next(iter(values))
     if metric not in values:
-        raise UserError(
-            f"evaluate.tasks {task.name} metric: {metric!r} is not reported; allowed: {', '.join(values)}"
-        )
+        raise UserError(f"evaluate.tasks {task.name} metric: {metric!r} is not reported; allowed: {', '.join(values)}")
     direction = results.get("higher_is_better", {}).get(task.name, {}).get(metric)
     return TaskScore(metric, float(values[metric]), direction is not False)
 
@@ -126,9 +124,7 @@ def markdown_table(report: Mapping[str, Any]) -> str:
     ]
     for name, row in report["tasks"].items():
         difference = "" if row["delta_points"] is None else f"{row['delta_points']:+.2f}"
-        lines.append(
-            f"| {name} | {row['metric']} | {points(row['base'])} | {points(row['trained'])} | {difference} |"
-        )
+        lines.append(f"| {name} | {row['metric']} | {points(row['base'])} | {points(row['trained'])} | {difference} |")
     verdict = report["gate"]
     limits = ", ".join(f"{name} {row['limit']}" for name, row in report["tasks"].items())
     lines += ["", f"Points: hundredths of each metric (percentage points of an accuracy); documents: {limits}."]
@@ -184,7 +180,7 @@ def check_model_directory(directory: Path, option: str) -> None:
 def task_manager(settings: EvaluateSection) -> Any:
     """lm-eval's task index over the package's local tasks and the recipe's `include` directories; its
     built-in tasks (a scan of some seconds) only when a task is not found there. Unknown names: one line."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # type: ignore[import-untyped]
 
     directories = [str(LOCAL_TASKS), *settings.include]
     for directory in settings.include:
@@ -197,7 +193,7 @@ def task_manager(settings: EvaluateSection) -> Any:
     manager = TaskManager(include_path=directories)
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
-        import lm_eval
+        import lm_eval  # type: ignore[import-untyped]
 
         raise UserError(
             f"evaluate.tasks: {', '.join(map(repr, unknown))} not known; allowed: a task of lm-eval "
@@ -211,7 +207,7 @@ def load_causal_lm(model_directory: Path, settings: EvaluateSection) -> Any:
     cluster's locked requirements do not have; this adapter scores requests with transformers directly."""
     import torch
     import transformers
-    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.model import TemplateLM  # type: ignore[import-untyped]
     from packaging.version import Version
 
     dtype = getattr(torch, settings.dtype)
@@ -227,9 +223,10 @@ def load_causal_lm(model_directory: Path, settings: EvaluateSection) -> Any:
                 from training.data.chat import MIXTRAL_FALLBACK_TEMPLATE
 
                 self.tokenizer.chat_template = MIXTRAL_FALLBACK_TEMPLATE
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
                 str(model_directory), **{dtype_keyword: dtype}
-            ).to(settings.device)
+            )
+            self.model = loaded.to(settings.device)
             self.model.eval()
             self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
 
@@ -292,7 +289,10 @@ def load_causal_lm(model_directory: Path, settings: EvaluateSection) -> Any:
             return self._score([(context, continuation) for _, context, continuation in requests])
 
         def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-            from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+            from lm_eval.utils import (  # type: ignore[import-untyped]
+                get_rolling_token_windows,
+                make_disjoint_window,
+            )
 
             totals = []
             for request in requests:
@@ -312,8 +312,8 @@ def load_causal_lm(model_directory: Path, settings: EvaluateSection) -> Any:
             answers = []
             for request in requests:
                 context, options = request.args
-                until = options.get("until") or []
-                until = [until] if isinstance(until, str) else list(until)
+                stops = options.get("until") or []
+                until: list[str] = [stops] if isinstance(stops, str) else list(stops)
                 max_new = int(options.get("max_gen_toks", 256))
                 prompt = self.tok_encode(context)[-max(1, self.max_length - max_new) :]
                 with torch.no_grad():
@@ -324,7 +324,7 @@ def load_causal_lm(model_directory: Path, settings: EvaluateSection) -> Any:
                         do_sample=False,
                         pad_token_id=self.eot_token_id,
                     )
-                text = self.tokenizer.decode(generated[0, len(prompt) :], skip_special_tokens=True)
+                text = str(self.tokenizer.decode(generated[0, len(prompt) :], skip_special_tokens=True))
                 for stop in until:
                     text = text.split(stop)[0] if stop else text
                 answers.append(text)
