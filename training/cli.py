@@ -48,6 +48,8 @@ EXAMPLES = {  # one per subcommand, shown by --help; {prog} is `python -m traini
     "status": "{prog} status --site /fsx/pipeline/site-default.yaml",
     "cancel": "{prog} cancel --run-id llama31-8b-cpt-20250601-120000 --site /fsx/pipeline/site-default.yaml",
     "sample": "{prog} sample --recipe RUN_DIR/recipe.yaml --input RUN_DIR/hf --output RUN_DIR/samples.json",
+    "evaluate": "{prog} evaluate --recipe RUN_DIR/recipe.yaml --input RUN_DIR/hf --base /fsx/models/Llama-3.1-8B "
+    "--output RUN_DIR",
     "export": "{prog} export --run-dir RUN_DIR --output s3://BUCKET/results/RUN_ID",
     "monitor cluster": "{prog} monitor cluster --site /fsx/pipeline/site-default.yaml --dry-run",
     "monitor neuron": "{prog} monitor neuron --site /fsx/pipeline/site-default.yaml",
@@ -278,6 +280,24 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--input", required=True, type=Path, help="Hugging Face model directory to read")
     sample.add_argument("--output", required=True, type=Path, help="JSON file to write")
 
+    evaluate = _command(
+        commands,
+        "evaluate",
+        "lm-evaluation-harness tasks of the recipe on a trained model and its base, with the recipe's gate",
+        prog,
+        EXAMPLES["evaluate"],
+    )
+    evaluate.add_argument("--recipe", required=True, help="recipe (its evaluate section): " + recipe_help)
+    evaluate.add_argument("--input", required=True, type=Path, help="Hugging Face model directory to evaluate")
+    evaluate.add_argument(
+        "--base",
+        type=Path,
+        help="base model directory to compare with (default: the recipe's model.config when evaluate.base is true)",
+    )
+    evaluate.add_argument(
+        "--output", required=True, type=Path, help="directory for evaluation.json and evaluation.md (the run's)"
+    )
+
     export = _command(
         commands,
         "export",
@@ -398,8 +418,8 @@ def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 done, 1 `status` of a failed run, a `plan` that does not fit or `monitor neuron` once
-    neuron-monitor has exited, 2 user error (argparse's own errors included)."""
+    """Exit status: 0 done, 1 `status` of a failed run, a `plan` that does not fit, an `evaluate` whose gate
+    failed or `monitor neuron` once neuron-monitor has exited, 2 user error (argparse's own errors included)."""
     arguments = build_parser().parse_args(argv)
     try:
         setup_logging(training=arguments.command == "train")
@@ -407,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(arguments)
         if arguments.command == "plan":
             return _plan(arguments)
+        if arguments.command == "evaluate":
+            return _evaluate(arguments)
         if arguments.command in ("submit", "status", "cancel", "sample", "export"):
             return _pipeline(arguments)
         if arguments.command == "monitor":
@@ -551,6 +573,24 @@ def _plan(arguments: argparse.Namespace) -> int:
     data, text = report(load_recipe(arguments.recipe, arguments.overrides), HARDWARE[arguments.instance_type])
     print(json.dumps(data, indent=2) if arguments.json else text)
     return 0 if data["fits"] else 1
+
+
+def _evaluate(arguments: argparse.Namespace) -> int:
+    from training.config.recipe import load_recipe
+    from training.pipeline.evaluate import evaluate
+
+    recipe = load_recipe(arguments.recipe)
+    if recipe.evaluate is None:
+        raise UserError(f"--recipe {arguments.recipe}: no evaluate section (tasks and limits to run)")
+    base = arguments.base
+    if base is None and recipe.evaluate.base:
+        base = Path(recipe.model.config)
+    report = evaluate(recipe.evaluate, arguments.input, base, arguments.output)
+    print(json.dumps({"tasks": report["tasks"], "gate": report["gate"]}, indent=2, sort_keys=True))
+    if not report["gate"]["passed"]:
+        print(f"error: evaluation gate failed: {'; '.join(report['gate']['failures'])}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def site_file(given: Path | None, environ: Mapping[str, str] = os.environ) -> Path | None:

@@ -199,6 +199,9 @@ def expected_python_argv(world: World, recipe: Recipe, site: Site, stage: str, n
     if stage == "convert-out":
         argv = [python, "-m", "training", "convert", "--from", "nxd", "--to", "hf"]
         return argv + ["--input", f"{run}/checkpoints", "--output", f"{run}/hf"]
+    if stage == "evaluate":  # the base model is the hostile model.config, one word
+        argv = [python, "-m", "training", "evaluate", "--recipe", f"{run}/recipe.yaml", "--input", f"{run}/hf"]
+        return argv + ["--base", str(world.model), "--output", str(run)]
     if stage == "sample":
         argv = [python, "-m", "training", "sample", "--recipe", f"{run}/recipe.yaml"]
         return argv + ["--input", f"{run}/hf", "--output", f"{run}/samples.json"]
@@ -216,7 +219,7 @@ def test_hostile_values_arrive_intact_and_never_run(world: World, recipe_name: s
     assert recipe.name == PAYLOAD and recipe.prepare is not None and recipe.prepare.source == PAYLOAD
     site = hostile_site(world, neuron=neuron)
     scripts = render(plan_run(recipe, site, RUN_ID))
-    assert list(scripts) == ["prepare", "convert-in", "compile", "train", "convert-out", "sample", "export"]
+    assert list(scripts) == ["prepare", "convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
     for stage, text in scripts.items():
         distributed = stage in ("compile", "train")
         records = run_script(world, stage, text, recipe.nodes if distributed else 1)

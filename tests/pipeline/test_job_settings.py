@@ -36,7 +36,7 @@ NODE_SCRIPT = ROOT / "assets" / "node" / "on_node_configured.sh"
 # Linux's default net.ipv4.ip_local_port_range (Documentation/networking/ip-sysctl.rst): the ports the kernel
 # hands to outgoing connections, one of which could hold torchrun's port when a job starts.
 EPHEMERAL_PORTS = range(32768, 61000)
-CPU_STAGES = ("prepare", "convert-in", "convert-out", "sample", "export")
+CPU_STAGES = ("prepare", "convert-in", "convert-out", "evaluate", "sample", "export")
 RESERVED = "net.ipv4.ip_local_reserved_ports"
 PORT_RANGE = f"{RENDEZVOUS_PORTS.start}-{RENDEZVOUS_PORTS.stop - 1}"
 

@@ -175,7 +175,8 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     run_dir = reference_runs[name]
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
     record = json.loads((run_dir / "run.json").read_text())
-    assert record["stages"] == ["prepare", "convert-in", "compile", "train", "convert-out", "sample", "export"]
+    stages = ["prepare", "convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
+    assert record["stages"] == stages
     assert len(record["submissions"]) == 1 and set(record["submissions"][0]["jobs"]) == set(record["stages"])
     exported = Path(site.results) / name
     model = AutoModelForCausalLM.from_pretrained(exported / "hf")
@@ -191,6 +192,10 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     prepared = json.loads((run_dir / "data" / "manifest.json").read_text())
     assert prepared["tokenizer"]["sha256"] in card.text and samples[0]["greedy"].strip() in card.text
     assert "](metrics.png)" in card.text and (exported / "hf" / "metrics.png").is_file()
+    evaluation = json.loads((exported / "evaluation.json").read_text())  # the real harness, the local task
+    assert list(evaluation["tasks"]) == ["tiny_choice"] and evaluation["tasks"]["tiny_choice"]["limit"] == 24
+    assert evaluation["tasks"]["tiny_choice"]["base"] is not None and evaluation["gate"]["max_drop"] == 50
+    assert "| tiny_choice | acc |" in (exported / "evaluation.md").read_text()
 
 
 def test_training_over_two_nodes_matches_one_node(
@@ -249,16 +254,38 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
     run_dir = run("tiny-llama-cpt", world, site, "llama-failing", *extra)
     first = states(run_dir)
     assert first["prepare"] == "COMPLETED" and first["convert-in"] == "FAILED"
-    assert {first[s] for s in ("compile", "train", "convert-out", "sample", "export")} == {"CANCELLED"}
+    assert {first[s] for s in ("compile", "train", "convert-out", "evaluate", "sample", "export")} == {"CANCELLED"}
     assert runs.print_status(run_dir)
     printed = capsys.readouterr().out
     assert "convert-in ended FAILED; last lines of" in printed and f"--input {late}: no such directory" in printed
 
     shutil.copytree(sources["llama"]["hf"], late)
     resumed = runs.submit("tiny-llama-cpt", overrides(world, *extra), run_id="llama-failing", site=site, dry_run=False)
-    assert list(resumed["jobs"]) == ["convert-in", "compile", "train", "convert-out", "sample", "export"]
+    assert list(resumed["jobs"]) == ["convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
     assert resumed["kept"] == {}  # nothing of the failed run was queued any more
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
+
+
+def test_a_failed_evaluation_still_samples_and_exports_and_status_shows_it(
+    slurm: Any, sources: dict[str, dict[str, Path]], site: Site, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Export waits for evaluate with `afterany`: the evaluate job fails (a task the harness does not know),
+    sample and export still run, the export has no evaluation, and what would publish the model is told why."""
+    from training.pipeline.evaluate import publish_blocker
+
+    extra = ("steps=2", "checkpoint.every=2", "evaluate.tasks=[{name: no_such_task, limit: 1}]")
+    run_dir = run("tiny-llama-cpt", sources["llama"], site, "llama-evaluate-fails", *extra)
+    final = states(run_dir)
+    assert final["evaluate"] == "FAILED" and final["sample"] == final["export"] == "COMPLETED", final
+    exported = Path(site.results) / "llama-evaluate-fails"
+    assert (exported / "samples.json").is_file() and not (exported / "evaluation.json").exists()
+    assert (
+        publish_blocker(run_dir, evaluated=True)
+        == f"{run_dir / 'evaluation.json'}: no evaluation (the evaluate stage did not finish)"
+    )
+    runs.print_status(run_dir)
+    printed = capsys.readouterr().out
+    assert "evaluate ended FAILED; last lines of" in printed and "'no_such_task' not known" in printed
 
 
 def submit_killed_after(stage: str, run_id: str, world: dict[str, Path], site: Site, tmp_path: Path) -> Any:
@@ -297,7 +324,7 @@ def test_a_killed_submit_is_completed_by_its_rerun_with_one_job_per_stage(
     world = overrides(sources["llama"], "steps=4", "checkpoint.every=2")
     result = runs.submit("tiny-llama-cpt", world, run_id="llama-killed-submit", site=site, dry_run=False)
     assert result["kept"]["compile"] == compile_job  # with prepare and convert-in while they are queued
-    assert list(result["jobs"]) == ["train", "convert-out", "sample", "export"]  # none of them kept too
+    assert list(result["jobs"]) == ["train", "convert-out", "evaluate", "sample", "export"]  # none kept too
     rerun = Path(result["run_dir"])
     assert set(states(rerun).values()) == {"COMPLETED"}, runs.stage_states(rerun)
     assert recorded_jobs(run_dir)["compile"] == compile_job

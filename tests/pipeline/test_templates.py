@@ -16,7 +16,7 @@ from stacks.config import load_environment
 from stacks.pipeline_site import site_settings
 from training.config.recipe import load_recipe
 from training.config.site import Site
-from training.pipeline.runs import plan_run, render
+from training.pipeline.runs import STAGES, dependency_option, plan_run, render
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -38,7 +38,8 @@ def rendered(recipe: str, site: Site) -> dict[str, str]:
 @pytest.mark.parametrize("recipe", CLUSTER_RECIPES)
 def test_cluster_scripts_match_the_reviewed_snapshots(recipe: str) -> None:
     scripts = rendered(recipe, default_site())
-    assert list(scripts) == ["prepare", "convert-in", "compile", "train", "convert-out", "sample", "export"]
+    stages = ["prepare", "convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
+    assert list(scripts) == stages
     folder = SNAPSHOTS / recipe
     if os.environ.get("UPDATE_SNAPSHOTS"):
         shutil.rmtree(folder, ignore_errors=True)
@@ -75,6 +76,10 @@ def test_cluster_scripts_carry_the_cluster_settings() -> None:
     assert "--tp 32 \\\n    --kv-size-multiplier 4 \\\n    --xser" in scripts["convert-in"]
     assert "--run-dir /fsx/runs/RUN-ID --output s3://RESULTS-BUCKET/results/RUN-ID --overwrite\n" in scripts["export"]
     assert "--input /fsx/runs/RUN-ID/hf --output /fsx/runs/RUN-ID/samples.json\n" in scripts["sample"]
+    assert (
+        "-m training evaluate --recipe /fsx/runs/RUN-ID/recipe.yaml --input /fsx/runs/RUN-ID/hf "
+        "--base /fsx/models/Llama-3.1-8B --output /fsx/runs/RUN-ID\n"
+    ) in scripts["evaluate"]
     assert "--output /fsx/runs/RUN-ID/data \\\n" in scripts["prepare"]
 
 
@@ -89,3 +94,26 @@ def test_every_script_passes_bash_n_and_shellcheck(recipe: str, where: str, tmp_
         assert syntax.returncode == 0, f"{stage}: {syntax.stderr}"
         lint = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True, check=False)
         assert lint.returncode == 0, f"{stage}:\n{lint.stdout}"
+
+
+def test_export_waits_for_sample_to_succeed_and_for_evaluate_only_to_end() -> None:
+    """A failed evaluation gate still exports the run (the model, the samples, the evaluation table); only a
+    failed sample or convert-out holds export back."""
+    stages = {stage.name: stage for stage in STAGES}
+    jobs = {"convert-out": "11", "evaluate": "12", "sample": "13"}
+    assert dependency_option(stages["export"], jobs) == "--dependency=afterok:13,afterany:12"
+    assert dependency_option(stages["evaluate"], jobs) == "--dependency=afterok:11"
+    assert dependency_option(stages["sample"], jobs) == "--dependency=afterok:11"
+    assert dependency_option(stages["export"], {"sample": "13"}) == "--dependency=afterok:13"  # evaluate was done
+    assert dependency_option(stages["export"], {}) is None
+    assert dependency_option(stages["prepare"], jobs) is None
+
+
+def test_a_recipe_without_an_evaluate_section_has_no_evaluate_stage(tmp_path: Path) -> None:
+    recipe = load_recipe("tiny-llama-cpt", ["evaluate="])
+    assert recipe.evaluate is None
+    scripts = render(plan_run(recipe, Site(runs_root=str(tmp_path)), "RUN-ID"))
+    assert "evaluate" not in scripts and "export" in scripts
+    without_base = load_recipe("tiny-llama-cpt", ["evaluate.base=false", "evaluate.max_drop="])
+    command = render(plan_run(without_base, Site(runs_root=str(tmp_path)), "RUN-ID"))["evaluate"]
+    assert "-m training evaluate" in command and "--base" not in command

@@ -68,17 +68,18 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         "status",
         "cancel",
         "sample",
+        "evaluate",
         "export",
         "monitor cluster",
         "monitor neuron",
     }
-    for name in ("prepare pretrain", "prepare sft", "convert", "sample", "export"):
+    for name in ("prepare pretrain", "prepare sft", "convert", "sample", "evaluate", "export"):
         assert "--output" in options(commands[name]), name  # what the command writes
-    for name in ("convert", "sample"):
+    for name in ("convert", "sample", "evaluate"):
         assert "--input" in options(commands[name]), name  # the one path it reads
     for name in ("submit", "status", "cancel", "monitor cluster", "monitor neuron"):
         assert "--site" in options(commands[name]), name
-    for name in ("train", "plan", "submit", "sample"):
+    for name in ("train", "plan", "submit", "sample", "evaluate"):
         assert "--recipe" in options(commands[name]), name
     assert "--run-dir" in options(commands["export"])
     retired = {"--out", "--env-file", "--model"}

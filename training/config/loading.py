@@ -270,6 +270,11 @@ def _problem(model: type[BaseModel], detail: ErrorDetails) -> str:
     indices = [part for part in location if isinstance(part, int)]
     keys = [str(part) for part in location if not isinstance(part, int)]
     key = printable(".".join(keys) + "".join(f"[{index}]" for index in indices)) or "top level"
+    # An item of a list of sections (evaluate.tasks[0].name): the problem is the nested section's key's.
+    nested = bool(indices) and not isinstance(location[-1], int)
+    if nested:
+        key = printable("".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in location)[1:])
+        indices = []
     kind = detail["type"]
     if kind == CONTROL_CHARACTERS_ERROR:
         return not_allowed(key, detail["input"], ONE_LINE)

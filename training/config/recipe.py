@@ -230,6 +230,49 @@ class SampleSection(StrictModel):
     seed: Seed = 0
 
 
+# lm-eval task names: letters, digits and `_ - .` (its registry's names; never a path or a glob).
+TaskName = Annotated[
+    str,
+    Strict(),
+    Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"),
+    Allowed("an lm-evaluation-harness task name (letters, digits, '_', '-', '.')"),
+]
+EvalDtype = Literal["float32", "bfloat16", "float16"]
+
+
+class EvaluationTask(StrictModel):
+    """One lm-evaluation-harness task of the evaluate stage, on the first `limit` documents."""
+
+    name: TaskName
+    limit: PositiveInt = Field(description="documents evaluated (the first N of the task's evaluation split)")
+    num_fewshot: NonNegativeInt | None = Field(None, description="few-shot examples; default: the task's own")
+    metric: TaskName | None = Field(
+        None, description="the metric compared with the base (e.g. acc_norm); default: the task's first"
+    )
+
+
+class EvaluateSection(StrictModel):
+    """The evaluate stage after convert-out: lm-evaluation-harness on the trained model and the base model,
+    with a gate that fails the stage (and keeps export from publishing) when a task drops too far."""
+
+    tasks: tuple[EvaluationTask, ...] = Field(description="tasks, each with its document limit")
+    base: Bool = Field(True, description="also evaluate the base model (model.config) and report the difference")
+    max_drop: NonNegativeFloat | None = Field(
+        None,
+        description="the gate: fail when a task's metric is worse than the base's by more than this many points "
+        "(hundredths: percentage points of an accuracy); null: no gate",
+    )
+    batch_size: PositiveInt = Field(8, description="requests per forward pass")
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: EvalDtype = Field("float32", description="weights' dtype while evaluating")
+    apply_chat_template: Bool = Field(
+        False, description="wrap every prompt in the tokenizer's chat template (a chat model's evaluation)"
+    )
+    include: tuple[Str, ...] = Field(
+        (), description="directories of more task YAML files (the package's local tasks are always included)"
+    )
+
+
 class Recipe(StrictModel):
     name: Str
     model: ModelSection
@@ -257,6 +300,7 @@ class Recipe(StrictModel):
     nodes: PositiveInt = Field(1, description="nodes of the training (and compile) job")
     prepare: PrepareSection | None = Field(None, description="how the pipeline makes the data; omit if it exists")
     sample: SampleSection = SampleSection()
+    evaluate: EvaluateSection | None = Field(None, description="the evaluate stage; omit to skip it")
 
 
 def bundled_recipes() -> list[str]:
@@ -360,6 +404,23 @@ def validate(recipe: Recipe) -> list[str]:
     if recipe.schedule.min_lr > recipe.optimizer.lr:
         problems.append(
             not_allowed("schedule.min_lr", recipe.schedule.min_lr, f"at most optimizer.lr ({recipe.optimizer.lr})")
+        )
+    if recipe.evaluate is not None:
+        problems += _evaluate_problems(recipe.evaluate)
+    return problems
+
+
+def _evaluate_problems(evaluate: EvaluateSection) -> list[str]:
+    problems = []
+    if not evaluate.tasks:
+        problems.append(not_allowed("evaluate.tasks", [], "at least one task"))
+    names = [task.name for task in evaluate.tasks]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        problems.append(not_allowed("evaluate.tasks", repeated, "each task once"))
+    if evaluate.max_drop is not None and not evaluate.base:
+        problems.append(
+            not_allowed("evaluate.max_drop", evaluate.max_drop, "null, or set evaluate.base true (the gate compares)")
         )
     return problems
 

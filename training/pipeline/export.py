@@ -2,8 +2,9 @@
 
 An S3 URI on AWS (the results bucket, which `cdk destroy` keeps), a local directory in the demo. Copies the
 final Hugging Face model, metrics (the JSON lines, the TensorBoard event files and `metrics.png`), samples,
-logs and the run record; not the training checkpoints, which stay on the file system of the run (export them
-with `--with-checkpoints`).
+the evaluation (`evaluation.json`, `evaluation.md`, also when its gate failed), logs and the run record;
+not the training checkpoints, which stay on the file system of the run (export them with
+`--with-checkpoints`).
 
 `metrics.png` (training.pipeline.plot) is drawn from `checkpoints/metrics.jsonl` into the run directory
 first and exported like the other files; it is rewritten only when the picture changes, so its modification
@@ -45,7 +46,7 @@ EXPORTED = (
     "tensorboard",
     PLOT,
     "samples.json",
-    "evaluation.json",
+    "evaluation.json",  # training.pipeline.evaluate's report and table, exported whether its gate passed or not
     "evaluation.md",
     "logs",
     "run.json",

@@ -1,4 +1,5 @@
-"""A run as one graph of Slurm jobs: prepare || convert -> compile -> train -> convert back -> sample -> export.
+"""A run as one graph of Slurm jobs: prepare || convert -> compile -> train -> convert back -> evaluate || sample
+-> export.
 
 `submit` renders one job script per stage from the recipe and the site settings (`assets/slurm/*.j2`),
 submits them with `afterok` dependencies (independent stages in parallel) and records the run in
@@ -6,6 +7,10 @@ submits them with `afterok` dependencies (independent stages in parallel) and re
 adopts the jobs it had queued (found by their scripts' paths) and submits the rest. Each job touches
 `state/<stage>.done` as its last act, so a failed or cancelled run is resumed from its first unfinished
 stage by submitting the same run id again.
+
+Export waits for evaluate with `afterany`, not `afterok`: a failed evaluation gate (or a failed evaluate job)
+still leaves the run's model, samples and evaluation table exported to the results bucket; what would publish
+the model reads the gate from `evaluation.json` (training.pipeline.evaluate.publish_blocker) instead.
 """
 
 from __future__ import annotations
@@ -58,8 +63,9 @@ VCPUS = {"trn1.32xlarge": 128, "trn1n.32xlarge": 128, "trn1.2xlarge": 8}
 @dataclass(frozen=True)
 class Stage:
     name: str
-    after: tuple[str, ...]
+    after: tuple[str, ...]  # Slurm `afterok`: these must have succeeded
     distributed: bool = False
+    after_any: tuple[str, ...] = ()  # Slurm `afterany`: these must have ended, successfully or not
 
 
 STAGES = (
@@ -68,8 +74,9 @@ STAGES = (
     Stage("compile", ("prepare", "convert-in"), distributed=True),
     Stage("train", ("compile",), distributed=True),
     Stage("convert-out", ("train",)),
+    Stage("evaluate", ("convert-out",)),
     Stage("sample", ("convert-out",)),
-    Stage("export", ("sample",)),
+    Stage("export", ("sample",), after_any=("evaluate",)),
 )
 
 
@@ -163,6 +170,7 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
     settings["model"]["config"] = str(Path(recipe.model.config).absolute())
     skipped = {"prepare"} if recipe.prepare is None else set()
     skipped |= {"convert-in"} if recipe.model.pretrained is None else set()
+    skipped |= {"evaluate"} if recipe.evaluate is None else set()
     stages = [s for s in STAGES if s.name not in skipped]
     if recipe.prepare is not None:
         if recipe.data.kind not in (None, recipe.prepare.kind):  # the train stage would refuse what prepare makes
@@ -191,6 +199,8 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
     if recipe.model.pretrained is not None:
         settings["model"]["pretrained"] = str(run_dir / "pretrained_weight")
     settings["checkpoint"]["dir"] = str(run_dir / "checkpoints")
+    if recipe.evaluate is not None:
+        settings["evaluate"]["include"] = [str(Path(directory).absolute()) for directory in recipe.evaluate.include]
     return RunPlan(run_id, run_dir, recipe, settings, site, stages)
 
 
@@ -283,6 +293,12 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
         return (
             f"{python} -m training sample --recipe {q(str(run / 'recipe.yaml'))} --input {q(str(run / 'hf'))} "
             f"--output {q(str(run / 'samples.json'))}"
+        )
+    if stage.name == "evaluate":
+        base = f" --base {q(settings['model']['config'])}" if settings["evaluate"]["base"] else ""
+        return (
+            f"{python} -m training evaluate --recipe {q(str(run / 'recipe.yaml'))} --input {q(str(run / 'hf'))}"
+            f"{base} --output {q(str(run))}"
         )
     if stage.name == "export":
         results = f"{plan.site.results.rstrip('/')}/{plan.run_id}"
@@ -436,7 +452,7 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
     scripts = render(plan)
     if dry_run:
         for stage in plan.stages:
-            after = [a for a in stage.after if a in scripts]
+            after = [a for a in stage.after if a in scripts] + [f"{a} (ended)" for a in stage.after_any if a in scripts]
             print(f"# ---- {stage.name} (after: {', '.join(after) or 'nothing'})\n{scripts[stage.name]}")
         return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "dry_run": True, "stages": list(scripts)}
     previous = read_run(plan.run_dir) if (plan.run_dir / "run.json").is_file() else None
@@ -478,10 +494,8 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
             continue
         script = plan.run_dir / "jobs" / f"{stage.name}.sbatch"
         outputs.write_file(script, scripts[stage.name])
-        dependencies = [submission["jobs"][a] for a in stage.after if a in submission["jobs"]]
-        command = ["sbatch", "--parsable"] + (
-            [f"--dependency=afterok:{':'.join(dependencies)}"] if dependencies else []
-        )
+        dependency = dependency_option(stage, submission["jobs"])
+        command = ["sbatch", "--parsable"] + ([dependency] if dependency else [])
         jobs[stage.name] = _slurm(site.slurm_bin, *command, str(script)).strip().split(";")[0]
         outputs.kill_point(f"submitted-{stage.name}")
         submission["jobs"][stage.name] = jobs[stage.name]
@@ -490,6 +504,17 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
     also = f"; kept queued or running: {', '.join(f'{s}={j}' for s, j in kept.items())}" if kept else ""
     print(f"run {plan.run_id}: submitted {', '.join(f'{s}={j}' for s, j in jobs.items())}{resumed}{also}")
     return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": jobs, "kept": kept, "submitted": True}
+
+
+def dependency_option(stage: Stage, jobs: dict[str, str]) -> str | None:
+    """sbatch's `--dependency` for a stage given the jobs submitted so far (stages finished earlier have none):
+    `afterok` on what must succeed, `afterany` on what must only have ended, both required (a comma)."""
+    parts = []
+    for kind, names in (("afterok", stage.after), ("afterany", stage.after_any)):
+        ids = [jobs[name] for name in names if name in jobs]
+        if ids:
+            parts.append(f"{kind}:{':'.join(ids)}")
+    return f"--dependency={','.join(parts)}" if parts else None
 
 
 def _record(run_dir: Path, run: dict[str, Any]) -> None:
@@ -553,12 +578,30 @@ def stage_states(run_dir: Path) -> list[dict[str, Any]]:
                     + (f" {speed:,.0f} tokens/s" if speed is not None else "")
                     + (f" ETA {format_duration(eta)}" if eta else "")
                 )
+        if stage == "evaluate" and (run_dir / "evaluation.json").is_file():
+            row["note"] = evaluation_note(run_dir / "evaluation.json")
         if state not in ("COMPLETED", "PENDING", "RUNNING", "UNKNOWN") and job:
             log = run_dir / "logs" / f"{stage}-{job}.out"
             row["log"] = str(log)
             row["log_tail"] = log.read_text(errors="replace").splitlines()[-10:] if log.is_file() else []
         rows.append(row)
     return rows
+
+
+def evaluation_note(path: Path) -> str:
+    """One line of the evaluate stage's outcome for `status`: the gate's verdict and the worst difference."""
+    try:
+        report = json.loads(path.read_text())
+        verdict, rows = report["gate"], report["tasks"]
+    except (ValueError, KeyError, TypeError):
+        return f"{path}: not an evaluation report"
+    deltas = [(row["delta_points"], name) for name, row in rows.items() if row.get("delta_points") is not None]
+    worst = f"; lowest difference {min(deltas)[0]:+.2f} points ({min(deltas)[1]})" if deltas else ""
+    if verdict.get("max_drop") is None:
+        return f"{len(rows)} tasks evaluated, no gate{worst}"
+    if verdict.get("passed"):
+        return f"gate passed (max_drop {verdict['max_drop']:g}){worst}"
+    return f"gate FAILED: {'; '.join(verdict['failures'])}"
 
 
 ETA_WINDOW = 20  # intervals between logged steps whose pace the ETA assumes
