@@ -311,9 +311,11 @@ def test_the_recipe_takes_one_source_or_a_mix(tmp_path: Path) -> None:
         tiny_recipe(both)
     with pytest.raises(UserError, match=re.escape("prepare.source: 'neither' is not allowed")):
         tiny_recipe("prepare.source=")
-    with pytest.raises(UserError, match=r"prepare.sources.source\[1\]: 'a' is not allowed; allowed: a source not"):
+    with pytest.raises(UserError, match=r"prepare.sources\[1\].source: 'a' is not allowed; allowed: a source not"):
         tiny_recipe("prepare.source=", "prepare.sources=[{source: a, weight: 1}, {source: a, weight: 2}]")
-    with pytest.raises(UserError, match=r"prepare.sources.weight\[0\]: 0 is not allowed"):
+    with pytest.raises(
+        UserError, match=r"prepare.sources\[0\].weight: 0 is not allowed; allowed: a finite number above 0\Z"
+    ):
         tiny_recipe("prepare.source=", "prepare.sources=[{source: a, weight: 0}]")
     with pytest.raises(UserError, match=re.escape("prepare.validation: 'test' is not allowed")):
         tiny_recipe("prepare.source=", both, "prepare.validation=test")

@@ -258,7 +258,11 @@ def not_allowed(key: str, value: Any, allowed: str) -> str:
 def problems_of(model: type[BaseModel], error: ValidationError) -> list[str]:
     """pydantic's errors as this project's lines, in the file's order."""
     lines: list[str] = []
-    for detail in error.errors():
+    details = error.errors()
+    locations = [tuple(part for part in d["loc"] if not _is_validator_tag(part)) for d in details]
+    for detail, location in zip(details, locations, strict=True):
+        if any(len(other) > len(location) and other[: len(location)] == location for other in locations):
+            continue  # a union's other branch (`or omit it`) when a value inside it is what is wrong
         line = _problem(model, detail)
         if line not in lines:
             lines.append(line)

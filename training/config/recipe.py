@@ -436,7 +436,7 @@ def _prepare_problems(prepare: PrepareSection) -> list[str]:
     seen = set()
     for index, part in enumerate(prepare.sources):
         if (part.source, part.split) in seen:
-            problems.append(not_allowed(f"prepare.sources.source[{index}]", part.source, "a source not listed before"))
+            problems.append(not_allowed(f"prepare.sources[{index}].source", part.source, "a source not listed before"))
         seen.add((part.source, part.split))
     if prepare.validation is not None:
         problems.append(
