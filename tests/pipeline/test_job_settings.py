@@ -28,7 +28,7 @@ from tests.support.pcluster_offline import INSTANCE_TYPES
 from training.cli import main
 from training.config.recipe import load_recipe
 from training.config.site import Site
-from training.pipeline.runs import RENDEZVOUS_PORTS, VCPUS, plan_run, processes_per_node, render
+from training.pipeline.runs import RENDEZVOUS_PORTS, plan_run, processes_per_node, render
 from training.train.memory import HARDWARE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,10 +102,9 @@ def test_processes_per_node_follow_the_instance_type_else_the_recipe() -> None:
 
 
 def test_the_vcpus_per_task_are_the_cpus_parallelcluster_gives_the_slurm_node() -> None:
-    assert VCPUS.keys() == HARDWARE.keys()
-    for instance_type, vcpus in VCPUS.items():
+    for instance_type, hardware in HARDWARE.items():
         info = InstanceTypeInfo(copy.deepcopy(INSTANCE_TYPES[instance_type]))
-        assert info.vcpus_count() == vcpus, instance_type
+        assert info.vcpus_count() == hardware.vcpus, instance_type
         devices = INSTANCE_TYPES[instance_type]["NeuronInfo"]["NeuronDevices"]
         cores = sum(device["Count"] * device["CoreInfo"]["Count"] for device in devices)
         assert HARDWARE[instance_type].cores_per_node == cores, instance_type

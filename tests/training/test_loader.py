@@ -13,7 +13,8 @@ import pytest
 
 from training.errors import UserError
 from training.outputs import MANIFEST
-from training.train.loader import BatchPlan, check_data_kind, prepared_kind
+from training.train.batches import BatchPlan
+from training.train.loader import check_data_kind, prepared_kind
 
 DATA = Path("/data/blocks")
 

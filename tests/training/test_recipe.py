@@ -9,7 +9,7 @@ import pytest
 
 from training.config.recipe import RECIPES_DIR, ScheduleSection, load_recipe, recipe_as_dict
 from training.errors import UserError
-from training.train.loader import BatchPlan
+from training.train.batches import BatchPlan
 from training.train.optimizer import learning_rate
 
 

@@ -38,6 +38,7 @@ from training.config.precision import NEURON_ENVIRONMENT
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.errors import UserError
+from training.train.batches import BatchPlan
 from training.train.memory import DEFAULT_HARDWARE, HARDWARE, Hardware, model_config, refusal
 from training.train.metrics import METRICS_FILE, read_metrics
 
@@ -54,10 +55,6 @@ SBATCH_UNSAFE = re.compile(r"[\s'\"\\#%\x00-\x1f\x7f]")
 # compute nodes reserve them as well (net.ipv4.ip_local_reserved_ports, as neuronx-distributed's launchers reserve
 # their 44000): assets/node/on_node_configured.sh spells the same range (RENDEZVOUS_PORTS; a test holds them equal).
 RENDEZVOUS_PORTS = range(31000, 31100)
-# vCPUs of the Trainium instance types (EC2 DescribeInstanceTypes: DefaultVCpus), which ParallelCluster gives their
-# Slurm nodes as CPUs: the distributed jobs' --cpus-per-task, as AWS's tutorial of the 4-node Llama run passes
-# (`--cpus-per-task 128` on trn1.32xlarge). Keyed as training.train.memory.HARDWARE (a test holds them equal).
-VCPUS = {"trn1.32xlarge": 128, "trn1n.32xlarge": 128, "trn1.2xlarge": 8}
 
 
 @dataclass(frozen=True)
@@ -116,12 +113,7 @@ def check_launch(recipe: Recipe, site: Site) -> None:
             f"parallelism.tp {tp} x parallelism.pp {pp} does not divide the {world} processes of {recipe.nodes} "
             f"node(s) x {per_node} (site processes_per_node{'' if site.processes_per_node else ', by default'})"
         )
-    dp, micro = world // (tp * pp), recipe.batch.micro
-    if recipe.batch.global_batch % (micro * dp):
-        raise UserError(
-            f"batch.global {recipe.batch.global_batch} is not a multiple of batch.micro {micro} x the {dp} "
-            f"data-parallel ranks of {world} processes (= {micro * dp}); change batch.global or batch.micro"
-        )
+    BatchPlan(recipe.batch.global_batch, recipe.batch.micro, world // (tp * pp)).check(processes=world)
 
 
 def check_memory(recipe: Recipe, site: Site) -> None:
@@ -336,6 +328,7 @@ def render(plan: RunPlan) -> dict[str, str]:
     environment.filters["line"] = code_line
     environment.filters["script"] = shlex.quote  # a composed command, its values already quoted with `shell`
     site, recipe = plan.site, plan.recipe
+    hardware = site_hardware(site)
     scripts = {}
     python = _python(site)
     slurm = slurm_prefix(site.slurm_bin)
@@ -362,7 +355,7 @@ def render(plan: RunPlan) -> dict[str, str]:
             # The recipe's Neuron settings; the compile cache is the site's, always the last flag.
             "neuron_cc_flags": " ".join((*recipe.neuron.compiler_flags, f"--cache_dir={site.compile_cache}")),
             "inflight_requests": recipe.neuron.inflight_requests,
-            "cpus_per_task": VCPUS.get(site.instance_type or "") if stage.distributed else None,
+            "cpus_per_task": hardware.vcpus if stage.distributed and hardware is not None else None,
             "python": python,
             "python_bin": os.path.dirname(python),
             "scontrol": f"{slurm}scontrol",

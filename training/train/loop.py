@@ -30,6 +30,7 @@ from training.formats.hf import copy_companions, read_config
 from training.model import parallel
 from training.model.transformer import CausalLM, Execution, build_model, model_flops_per_token
 from training.train import stages
+from training.train.batches import BatchPlan
 from training.train.checkpointing import (
     latest_complete_step,
     load_pretrained,
@@ -37,7 +38,7 @@ from training.train.checkpointing import (
     load_weights,
     save_checkpoint,
 )
-from training.train.loader import BatchPlan, TrainingData, check_data_kind
+from training.train.loader import TrainingData, check_data_kind
 from training.train.metrics import open_metrics
 from training.train.optimizer import TrainingOptimizer, neuron_trainer_options, zero1_where_it_shards
 from training.train.precision import PARAMETER_DTYPE
