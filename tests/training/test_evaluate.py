@@ -27,6 +27,7 @@ from training.pipeline.evaluate import (
     EVALUATION_JSON,
     EVALUATION_MD,
     evaluate,
+    load_model,
     memory_refusal,
     publish_blocker,
     weight_bytes,
@@ -111,12 +112,29 @@ def test_a_better_trained_model_passes_and_no_base_means_no_gate(models: dict[st
 
 
 def test_the_chat_template_path_and_the_few_shot_count(tmp_path: Path, chat_tokenizer: Path) -> None:
-    model = tiny_model(tmp_path / "chat", chat_tokenizer)
+    model = _edited(tmp_path / "chat", chat_tokenizer, "flat")
     section = settings(
         tasks=[{"name": "tiny_choice", "limit": 4, "num_fewshot": 1}], apply_chat_template=True, base=False
     )
     report = evaluate(section, model, None, tmp_path / "out")
-    assert 0.0 <= report["tasks"]["tiny_choice"]["trained"] <= 1.0 and report["tasks"]["tiny_choice"]["limit"] == 4
+    # Flat next-token probabilities prefer the shorter (wrong) choice in any prompt format.
+    assert report["tasks"]["tiny_choice"]["trained"] == 0.0 and report["tasks"]["tiny_choice"]["limit"] == 4
+
+
+def test_the_chat_template_is_the_tokenizer_s_own_else_the_sft_format(
+    models: dict[str, Path], tmp_path: Path, chat_tokenizer: Path
+) -> None:
+    """What `simple_evaluate(apply_chat_template=True)` asks the harness's model for: the tokenizer's template, else
+    the format `prepare sft` renders chats in (the tiny Llama tokenizer, like Mixtral's base model, has none)."""
+    from training.data.chat import MIXTRAL_FALLBACK_TEMPLATE
+    from training.local.tiny import BOS, LLAMA3_STYLE_TEMPLATE
+
+    chat = settings(apply_chat_template=True)
+    fallback = load_model(models["flat"], chat)
+    assert fallback.chat_template(True) == MIXTRAL_FALLBACK_TEMPLATE
+    assert fallback.apply_chat_template([{"role": "user", "content": "q a"}]) == f"{BOS}[INST] q a [/INST]"
+    assert load_model(tiny_model(tmp_path / "chat", chat_tokenizer), chat).chat_template(True) == LLAMA3_STYLE_TEMPLATE
+    assert load_model(models["flat"], settings()).chat_template(True) is None
 
 
 def test_the_cli_exits_1_naming_the_task_drop_and_limit(models: dict[str, Path], tmp_path: Path) -> None:

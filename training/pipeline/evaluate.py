@@ -1,10 +1,11 @@
 """`python -m training evaluate`: the trained model against the base model on lm-evaluation-harness tasks.
 
 Runs after convert-out, on the CPU queue: each task of the recipe's `evaluate` section on its first `limit`
-documents, for the trained model and (with `base: true`) the base model, with one metric per task compared
-in points (hundredths of the metric: percentage points of an accuracy). The gate `max_drop` fails the stage
-when a task is worse than the base by more than that; the results are written first, so export still
-copies them, and whoever publishes to the Hub reads `evaluation.json` (`publish_blocker`) and refuses.
+documents, for the trained model and (with `base: true`) the base model, each loaded by the harness's own Hugging
+Face model class (`HFLM`: as `lm_eval --model hf` runs it), with one metric per task compared in points
+(hundredths of the metric: percentage points of an accuracy). The gate `max_drop` fails the stage when a task is
+worse than the base by more than that; the results are written first, so export still copies them, and whoever
+publishes to the Hub reads `evaluation.json` (`publish_blocker`) and refuses.
 
 Written into the run directory, each in one rename: `evaluation.json` (the numbers, the gate, the
 harness's version, the time taken) and `evaluation.md` (the table).
@@ -202,142 +203,33 @@ def task_manager(settings: EvaluateSection) -> Any:
     return manager
 
 
-def load_causal_lm(model_directory: Path, settings: EvaluateSection) -> Any:
-    """The model as an lm-eval `LM`. lm-eval's own `HFLM` needs `accelerate` (its `hf` extra), which the
-    cluster's locked requirements do not have; this adapter scores requests with transformers directly."""
-    import torch
+def load_model(model_directory: Path, settings: EvaluateSection) -> Any:
+    """The model as lm-eval's `HFLM`. A tokenizer without a chat template (Mixtral's base model) gets the format
+    `prepare sft` renders chats in, when the recipe asks for chat prompts. The path is absolute so that HFLM's
+    look-up of the model's Hub revision (for its report) never takes a directory for a repository id."""
     import transformers
-    from lm_eval.api.model import TemplateLM  # type: ignore[import-untyped]
-    from packaging.version import Version
+    from lm_eval.models.huggingface import HFLM  # type: ignore[import-untyped]
 
-    dtype = getattr(torch, settings.dtype)
-    # transformers 4.56 renamed from_pretrained's `torch_dtype` to `dtype` (the cluster has 4.57, here 5.x).
-    dtype_keyword = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    tokenizer: Any = transformers.AutoTokenizer.from_pretrained(str(model_directory))
+    if settings.apply_chat_template and not tokenizer.chat_template:
+        from training.data.chat import MIXTRAL_FALLBACK_TEMPLATE
 
-    class CausalLM(TemplateLM):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__()
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_directory))
-            if settings.apply_chat_template and not getattr(self.tokenizer, "chat_template", None):
-                # The format `prepare sft` renders chats in when the tokenizer has none (Mixtral's base model).
-                from training.data.chat import MIXTRAL_FALLBACK_TEMPLATE
-
-                self.tokenizer.chat_template = MIXTRAL_FALLBACK_TEMPLATE
-            loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
-                str(model_directory), **{dtype_keyword: dtype}
-            )
-            self.model = loaded.to(settings.device)
-            self.model.eval()
-            self.max_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
-
-        @property
-        def eot_token_id(self) -> int:
-            return int(self.tokenizer.eos_token_id)
-
-        @property
-        def prefix_token_id(self) -> int:
-            bos = self.tokenizer.bos_token_id
-            return int(bos if bos is not None else self.tokenizer.eos_token_id)
-
-        @property
-        def tokenizer_name(self) -> str:
-            return str(self.tokenizer.name_or_path).replace("/", "__")
-
-        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **_: Any) -> list[int]:
-            if add_special_tokens is None:  # BOS as the tokenizer adds it, unless a chat template wrote it
-                add_special_tokens = not (self.tokenizer.bos_token and string.startswith(self.tokenizer.bos_token))
-            return list(self.tokenizer(string, add_special_tokens=add_special_tokens)["input_ids"])
-
-        def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-            return str(
-                self.tokenizer.apply_chat_template(
-                    chat_history,
-                    tokenize=False,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=not add_generation_prompt,
-                )
-            )
-
-        def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-            """Log-likelihood of each continuation after its context, and whether greedy decoding gives it."""
-            results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
-            order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
-            for start in range(0, len(order), settings.batch_size):
-                batch = order[start : start + settings.batch_size]
-                rows = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :][:-1] for i in batch]
-                width = max(len(row) for row in rows)
-                ids = torch.zeros(len(rows), width, dtype=torch.long)
-                mask = torch.zeros(len(rows), width, dtype=torch.long)
-                for r, row in enumerate(rows):
-                    ids[r, : len(row)] = torch.tensor(row)
-                    mask[r, : len(row)] = 1
-                with torch.no_grad():
-                    logits = self.model(input_ids=ids.to(settings.device), attention_mask=mask.to(settings.device))
-                logprobs = torch.log_softmax(logits.logits.float(), dim=-1).cpu()
-                for r, index in enumerate(batch):
-                    continuation = pairs[index][1]
-                    end = len(rows[r])
-                    positions = logprobs[r, end - len(continuation) : end]
-                    target = torch.tensor(continuation)
-                    chosen = positions.gather(1, target[:, None]).sum().item()
-                    results[index] = (float(chosen), bool((positions.argmax(-1) == target).all()))
-            return results
-
-        def _loglikelihood_tokens(
-            self, requests: list[tuple[tuple[str, str], list[int], list[int]]], **_: Any
-        ) -> list[tuple[float, bool]]:
-            return self._score([(context, continuation) for _, context, continuation in requests])
-
-        def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-            from lm_eval.utils import (  # type: ignore[import-untyped]
-                get_rolling_token_windows,
-                make_disjoint_window,
-            )
-
-            totals = []
-            for request in requests:
-                windows = [
-                    make_disjoint_window(window)
-                    for window in get_rolling_token_windows(
-                        token_list=self.tok_encode(request.args[0], add_special_tokens=False),
-                        prefix_token=self.prefix_token_id,
-                        max_seq_len=self.max_length,
-                        context_len=1,
-                    )
-                ]
-                totals.append(sum(score for score, _ in self._score(windows)))
-            return totals
-
-        def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-            answers = []
-            for request in requests:
-                context, options = request.args
-                stops = options.get("until") or []
-                until: list[str] = [stops] if isinstance(stops, str) else list(stops)
-                max_new = int(options.get("max_gen_toks", 256))
-                prompt = self.tok_encode(context)[-max(1, self.max_length - max_new) :]
-                with torch.no_grad():
-                    generated = self.model.generate(
-                        input_ids=torch.tensor([prompt], device=settings.device),
-                        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=settings.device),
-                        max_new_tokens=max_new,
-                        do_sample=False,
-                        pad_token_id=self.eot_token_id,
-                    )
-                text = str(self.tokenizer.decode(generated[0, len(prompt) :], skip_special_tokens=True))
-                for stop in until:
-                    text = text.split(stop)[0] if stop else text
-                answers.append(text)
-            return answers
-
-    return CausalLM()
+        tokenizer.chat_template = MIXTRAL_FALLBACK_TEMPLATE
+    return HFLM(
+        pretrained=str(model_directory.resolve()),
+        tokenizer=tokenizer,
+        dtype=settings.dtype,
+        device=settings.device,
+        batch_size=settings.batch_size,
+        trust_remote_code=False,
+    )
 
 
 def evaluate_model(model_directory: Path, settings: EvaluateSection, manager: Any) -> dict[str, TaskScore]:
     """Every task on one model, loaded once; each task with its own limit and few-shot count."""
     import lm_eval
 
-    model = load_causal_lm(model_directory, settings)
+    model = load_model(model_directory, settings)
     scores = {}
     try:
         for task in settings.tasks:
