@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,7 +17,7 @@ from stacks.config import load_environment
 from stacks.pipeline_site import site_settings
 from training.config.recipe import load_recipe
 from training.config.site import Site
-from training.pipeline.runs import STAGES, dependency_option, plan_run, render
+from training.pipeline.runs import STAGES, dependency_option, plan_run, render, stage_command
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -117,3 +118,28 @@ def test_a_recipe_without_an_evaluate_section_has_no_evaluate_stage(tmp_path: Pa
     without_base = load_recipe("tiny-llama-cpt", ["evaluate.base=false", "evaluate.max_drop="])
     command = render(plan_run(without_base, Site(runs_root=str(tmp_path)), "RUN-ID"))["evaluate"]
     assert "-m training evaluate" in command and "--base" not in command
+
+
+def test_the_prepare_job_renders_each_source_with_its_options_quoted(tmp_path: Path) -> None:
+    hostile = "it's $(touch PWNED)"
+    recipe = load_recipe(
+        "tiny-llama-cpt",
+        [
+            "prepare.source=",
+            "prepare.seed=9",
+            f'prepare.sources=[{{source: "{hostile}", weight: 3, max_records: 5, split: dev}}, '
+            "{source: b, weight: 1}]",
+        ],
+    )
+    plan = plan_run(recipe, default_site(), "RUN-ID")
+    command = stage_command(plan, next(s for s in STAGES if s.name == "prepare"))
+    words = shlex.split(command.replace("\\\n", " ").replace('"$(nproc)"', "N"))
+    assert words[words.index("--seed") + 1] == "9"
+    tail = words[words.index("--seed") + 2 :]
+    assert tail == ["--source", hostile, "--weight", "3.0", "--split", "dev", "--max-documents", "5"] + [
+        "--source",
+        "b",
+        "--weight",
+        "1.0",
+    ]
+    assert words.count("--source") == 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import shlex
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -319,30 +318,6 @@ def test_the_recipe_takes_one_source_or_a_mix(tmp_path: Path) -> None:
         tiny_recipe("prepare.source=", "prepare.sources=[{source: a, weight: 0}]")
     with pytest.raises(UserError, match=re.escape("prepare.validation: 'test' is not allowed")):
         tiny_recipe("prepare.source=", both, "prepare.validation=test")
-
-
-def test_the_prepare_job_renders_each_source_with_its_options_quoted(tmp_path: Path) -> None:
-    from tests.pipeline.test_templates import default_site
-    from training.pipeline.runs import STAGES, plan_run, stage_command
-
-    hostile = "it's $(touch PWNED)"
-    recipe = tiny_recipe(
-        "prepare.source=",
-        "prepare.seed=9",
-        f'prepare.sources=[{{source: "{hostile}", weight: 3, max_records: 5, split: dev}}, {{source: b, weight: 1}}]',
-    )
-    plan = plan_run(recipe, default_site(), "RUN-ID")
-    command = stage_command(plan, next(s for s in STAGES if s.name == "prepare"))
-    words = shlex.split(command.replace("\\\n", " ").replace('"$(nproc)"', "N"))
-    assert words[words.index("--seed") + 1] == "9"
-    tail = words[words.index("--seed") + 2 :]
-    assert tail == ["--source", hostile, "--weight", "3.0", "--split", "dev", "--max-documents", "5"] + [
-        "--source",
-        "b",
-        "--weight",
-        "1.0",
-    ]
-    assert words.count("--source") == 2
 
 
 # --- the mixer on its own -------------------------------------------------------------------------------------
