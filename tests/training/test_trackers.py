@@ -27,18 +27,18 @@ from wandb.proto import wandb_internal_pb2
 
 from tests.training.conftest import world_overrides
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
-from training.config.tracking import Tracking
+from training.config.site import Site
+from training.config.tracking import TRACKING_VARIABLE, Tracking, tracking_environment
 from training.errors import UserError
 from training.local.tiny import build_tiny_world
+from training.pipeline.runs import plan_run, render
 from training.train.loop import TrainOptions, train
 from training.train.metrics import read_metrics, tensorboard_scalars
 from training.train.optimizer import zero1_where_it_shards
 from training.train.trackers import (
     RECIPE_ARTIFACT,
     RUN_TAG,
-    TRACKING_VARIABLE,
     flat_parameters,
-    tracking_environment,
     tracking_from_environment,
 )
 
@@ -78,7 +78,7 @@ def configure(monkeypatch: pytest.MonkeyPatch, tracking: dict[str, Any]) -> None
     monkeypatch.setenv(TRACKING_VARIABLE, value)
 
 
-def wandb_records(path: Path) -> Iterator[wandb_internal_pb2.Record]:
+def wandb_records(path: Path) -> Iterator[Any]:
     """The records of a W&B run file: a 7-byte header (`:W&B`, magic, version), then LevelDB's log format (32 KiB
     blocks of chunks, each with a 7-byte header: checksum, length, type full/first/middle/last)."""
     data = path.read_bytes()
@@ -97,12 +97,12 @@ def wandb_records(path: Path) -> Iterator[wandb_internal_pb2.Record]:
         position += 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # re-exported per protobuf version
             record.ParseFromString(pending)
             yield record
 
 
-def wandb_history(records: list[wandb_internal_pb2.Record]) -> dict[str, list[tuple[int, float]]]:
+def wandb_history(records: list[Any]) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
     for record in records:
         if record.WhichOneof("record_type") != "history":
@@ -299,3 +299,32 @@ def test_without_trackers_neither_library_is_imported(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert read_metrics(tmp_path / "c" / "metrics.jsonl") == [{"step": 1, "loss": 1.0}]
+
+
+def test_the_train_job_alone_gets_the_trackers_and_the_shell_keeps_them(tmp_path: Path) -> None:
+    tracking = Tracking.model_validate(
+        {
+            "mlflow": {"tracking_uri": "arn:aws:sagemaker:us-west-2:123456789012:mlflow-tracking-server/runs"},
+            "wandb": {
+                "project": "llama",
+                "entity": "team.a",
+                "api_key_secret_arn": f"arn:aws:secretsmanager:{REGION}:123456789012:secret:wandb-key-Ab12Cd",
+            },
+        }
+    )
+    site = Site(runs_root=str(tmp_path / "runs"), tracking=tracking)
+    scripts = render(plan_run(load_recipe("tiny-llama-cpt"), site, "RUN-ID"))
+    exports = {
+        stage: [line for line in text.splitlines() if TRACKING_VARIABLE in line] for stage, text in scripts.items()
+    }
+    assert {stage: len(lines) for stage, lines in exports.items() if lines} == {"train": 1}
+    (line,) = exports["train"]
+    assert line.startswith(f"export {TRACKING_VARIABLE}='")
+    shell = subprocess.run(
+        ["bash", "-c", f"{line}\nprintenv {TRACKING_VARIABLE}"], capture_output=True, text=True, check=True
+    )
+    assert tracking_from_environment({TRACKING_VARIABLE: shell.stdout}) == tracking
+    script = tmp_path / "train.sbatch"
+    script.write_text(scripts["train"])
+    lint = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True, check=False)
+    assert lint.returncode == 0, lint.stdout

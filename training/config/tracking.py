@@ -7,6 +7,7 @@ ever part of them: W&B's API key stays in Secrets Manager and only its ARN is wr
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Literal
 
@@ -14,6 +15,7 @@ from pydantic import Field, Strict
 
 from training.config.loading import Allowed, Str, StrictModel
 
+TRACKING_VARIABLE = "TRAINING_TRACKING"  # what the train stage's job script exports
 # The tracking URI of a SageMaker managed MLflow tracking server: its ARN (the sagemaker-mlflow plugin's scheme).
 SAGEMAKER_MLFLOW_ARN = re.compile(
     r"^arn:(?P<partition>aws[a-z-]*):sagemaker:(?P<region>[a-z]{2}(-gov)?-[a-z]+-\d+):(?P<account>\d{12}):"
@@ -86,3 +88,10 @@ class Tracking(StrictModel):
 def sagemaker_mlflow_arn(tracking_uri: str) -> re.Match[str] | None:
     """The parts of a SageMaker MLflow tracking server ARN, or None for any other tracking URI."""
     return SAGEMAKER_MLFLOW_ARN.match(tracking_uri)
+
+
+def tracking_environment(tracking: Tracking) -> str | None:
+    """The value of TRAINING_TRACKING for these settings (None: no tracker, nothing to export)."""
+    if not tracking.configured:
+        return None
+    return json.dumps(tracking.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":"))

@@ -21,6 +21,7 @@ mlflow, wandb and boto3 are imported in the sender's thread only, and only for a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,18 @@ from typing import Any
 import yaml
 
 from training.config.loading import build
-from training.config.tracking import SECRET_ARN, MlflowTracking, Tracking, WandbTracking, sagemaker_mlflow_arn
+from training.config.tracking import (
+    SECRET_ARN,
+    TRACKING_VARIABLE,
+    MlflowTracking,
+    Tracking,
+    WandbTracking,
+    sagemaker_mlflow_arn,
+)
 from training.errors import UserError
 
 log = logging.getLogger(__name__)
 
-TRACKING_VARIABLE = "TRAINING_TRACKING"
 RUN_TAG = "training.run_id"  # MLflow tag naming the pipeline's run id, to find the run again on a requeue
 RECIPE_ARTIFACT = "recipe.yaml"
 TRACKER_QUEUE = 1000  # records waiting for one tracker; beyond that (a tracker slow for long) they are dropped
@@ -89,13 +96,6 @@ def tracking_from_environment(environ: Mapping[str, str]) -> Tracking | None:
         raise UserError(f"{TRACKING_VARIABLE}: a {type(raw).__name__}; allowed: a JSON object")
     tracking = build(Tracking, raw, TRACKING_VARIABLE)
     return tracking if tracking.configured else None
-
-
-def tracking_environment(tracking: Tracking) -> str | None:
-    """The value of TRAINING_TRACKING for these settings (None: no tracker, nothing to export)."""
-    if not tracking.configured:
-        return None
-    return json.dumps(tracking.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":"))
 
 
 def flat_parameters(settings: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -179,10 +179,8 @@ class TrackerSender:
 
     def finish(self, artifacts: Sequence[Path], *, completed: bool) -> None:
         """Ask the thread to send the artifacts and end the run after what is queued (returns at once)."""
-        try:
+        with contextlib.suppress(queue.Full):  # the thread is stuck on a request: `wait` reports it
             self._queue.put(_End(tuple(artifacts), completed), timeout=1.0)
-        except queue.Full:  # the thread is stuck on a request: `wait` reports it
-            pass
 
     def wait(self, deadline: float) -> None:
         self._thread.join(max(0.0, deadline - time.monotonic()))
@@ -197,15 +195,15 @@ class TrackerSender:
             item = self._queue.get()
             if isinstance(item, _End):
                 if working:
-                    self._attempt("could not finish the run", lambda: self._finish(item.artifacts, item.completed))
+                    self._attempt("could not finish the run", self._finish, item.artifacts, item.completed)
                 return
             if working:
-                working = self._attempt(f"could not send step {item.step}", lambda: self._send(item))
+                working = self._attempt(f"could not send step {item.step}", self._send, item)
                 self.sent += working
 
-    def _attempt(self, what: str, action: Any) -> bool:
+    def _attempt(self, what: str, action: Callable[..., None], *arguments: Any) -> bool:
         try:
-            action()
+            action(*arguments)
             return True
         except Exception as error:  # anything at all: a tracker never stops training
             self.failed = True
@@ -251,7 +249,7 @@ class MlflowSender(TrackerSender):
         experiment = client.get_experiment_by_name(self.settings.experiment)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.settings.experiment)
         run_id = self.facts.run_id
-        found = []
+        found: list[Any] = []
         if run_id:
             quoted = run_id.replace("'", "\\'")
             found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{quoted}'", max_results=1)
@@ -396,4 +394,3 @@ def close_trackers(
         sender.finish(artifacts, completed=completed)
     for sender in senders:
         sender.wait(deadline)
-
