@@ -15,14 +15,25 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+import yaml
 from mlflow.protos.service_pb2 import MlflowService
 from mlflow.utils.rest_utils import _REST_API_PATH_PREFIX, extract_api_info_for_service
 
+from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import load_environment
 from stacks.pipeline_site import site_settings
 from stacks.tracking_access import SAGEMAKER_MLFLOW_ACTIONS
-from tests.infra.conftest import Synthesized
-from tests.infra.test_pcluster_config import account_of, resolved_configuration, synthesize_variant
+from tests.infra.conftest import Synthesized, synthesize_config
+from tests.infra.test_config_patch import (
+    assert_no_running_job_is_killed,
+    config_patch,
+    environment,
+    fleet,  # noqa: F401  # the fixture: ParallelCluster's fleet status, served by moto
+)
+from tests.infra.test_config_patch import (
+    policies as update_policies,
+)
+from tests.infra.test_pcluster_config import account_of, resolved_configuration
 from tests.support.iam_reference import expand_action, findings, grants
 from tests.support.pcluster_offline import errors_of, run_offline_validation
 from training.config.loading import ConfigError
@@ -40,7 +51,9 @@ TRACKING = {
 
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory: pytest.TempPathFactory) -> Synthesized:
-    return synthesize_variant(tmp_path_factory.mktemp("tracked"), {"tracking": TRACKING})
+    """The default environment with both trackers, synthesized for real."""
+    directory = tmp_path_factory.mktemp("tracked")
+    return synthesize_config(environment(directory / "environments", {"tracking": TRACKING}), directory / "cdk.out")
 
 
 def policies(env: Synthesized) -> dict[str, dict[str, Any]]:
@@ -95,6 +108,15 @@ def test_the_site_file_carries_the_trackers_to_the_train_job(tracked: Synthesize
     assert site.tracking == Tracking.model_validate(TRACKING)
     (pipeline,) = [r for r in tracked.template["Resources"].values() if "SiteSettings" in r.get("Properties", {})]
     assert SERVER_ARN in json.dumps(pipeline["Properties"]["SiteSettings"])
+
+
+@pytest.mark.usefixtures("fleet")
+def test_adding_trackers_is_applied_while_jobs_run(default_env: Synthesized, tracked: Synthesized) -> None:
+    """ParallelCluster's own update check, the compute fleet running: the Trainium queue's new policy is the one
+    change, and one it applies as it is (no fleet stop, no node replaced)."""
+    patch = config_patch(resolved_configuration(default_env), resolved_configuration(tracked))
+    assert update_policies(patch) == {"Scheduling.SlurmQueues[compute1].Iam.AdditionalIamPolicies": "SUPPORTED"}
+    assert_no_running_job_is_killed(patch, yaml.safe_load((ENVIRONMENTS_DIR / "default.yaml").read_text()))
 
 
 def test_without_trackers_no_policy_and_no_access(default_env: Synthesized) -> None:
