@@ -6,6 +6,7 @@ refuses the key, a missing secret) are one warning each and change nothing in tr
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import socket
@@ -13,6 +14,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -28,7 +30,7 @@ from wandb.proto import wandb_internal_pb2
 from tests.training.conftest import world_overrides
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
-from training.config.tracking import TRACKING_VARIABLE, Tracking, tracking_environment
+from training.config.tracking import TRACKING_VARIABLE, MlflowTracking, Tracking, tracking_environment
 from training.errors import UserError
 from training.local.tiny import build_tiny_world
 from training.pipeline.runs import plan_run, render
@@ -36,8 +38,13 @@ from training.train.loop import TrainOptions, train
 from training.train.metrics import read_metrics, tensorboard_scalars
 from training.train.optimizer import zero1_where_it_shards
 from training.train.trackers import (
+    MLFLOW_HTTP_DEFAULTS,
     RECIPE_ARTIFACT,
     RUN_TAG,
+    TRACKER_QUEUE,
+    MlflowSender,
+    RunFacts,
+    close_trackers,
     flat_parameters,
     tracking_from_environment,
 )
@@ -68,7 +75,8 @@ def job_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.M
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # W&B would read ~/.netrc and ~/.config/wandb
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store for those who ask
+    for name in ("MLFLOW_ALLOW_FILE_STORE", "MLFLOW_TRACKING_URI", *MLFLOW_HTTP_DEFAULTS):
+        monkeypatch.delenv(name, raising=False)  # and restored when the test ends: the tracker sets some
     return monkeypatch
 
 
@@ -258,6 +266,47 @@ def test_failing_trackers_are_one_warning_each_and_training_is_unchanged(
     assert f"Basic {base64.b64encode(f'api:{key}'.encode()).decode()}" in server.authorizations
     assert not [r for r in caplog.records if key in r.getMessage()]
     assert not [path for path in (tmp_path / "run").rglob("*") if path.is_file() and key.encode() in path.read_bytes()]
+
+
+def test_a_tracker_that_hangs_never_delays_a_step(
+    tmp_path: Path, job_environment: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that takes the connection and never answers: writes return at once, the queue's bound drops the
+    records beyond it (one warning), and the end of the run waits no longer than its timeout."""
+    facts = RunFacts(run_id=RUN_ID, settings={"steps": 2}, run_dir=tmp_path)
+    silent, held = socket.socket(), []
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+
+    def hold() -> None:
+        with contextlib.suppress(OSError):  # the listener closed
+            while True:
+                held.append(silent.accept()[0])
+
+    threading.Thread(target=hold, daemon=True).start()
+    sender = MlflowSender(MlflowTracking(tracking_uri=f"http://127.0.0.1:{silent.getsockname()[1]}"), facts)
+    with caplog.at_level(logging.WARNING, logger="training"):
+        began = time.monotonic()
+        for step in range(1, TRACKER_QUEUE + 11):
+            sender.write(step, None, {"train/loss": 1.0})
+        writing = time.monotonic() - began
+        close_trackers([sender], [], completed=True, timeout=1.0)
+        closing = time.monotonic() - began - writing
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    # The server goes away: the request fails, the retries are refused, the thread ends (before the next test).
+    silent.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone would leave it listening)
+    silent.close()
+    for connection in held:
+        connection.close()
+    sender.wait(time.monotonic() + 30)
+    assert not sender.running
+    assert writing < 1.0 and closing < 3.0, (writing, closing)
+    assert sender.dropped == 10 and sender.sent == 0
+    assert warnings == [
+        f"MLflow: {TRACKER_QUEUE} records are waiting to be sent; dropped the one of step {TRACKER_QUEUE + 1} "
+        "(later ones are counted); training continues",
+        f"MLflow: gave up waiting for it to finish ({TRACKER_QUEUE} records unsent)",
+    ]
 
 
 def test_a_missing_secret_is_one_warning(

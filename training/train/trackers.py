@@ -65,6 +65,7 @@ MLFLOW_HTTP_DEFAULTS = {
 # Uploads of artifacts to a SageMaker MLflow server through URLs it presigns, so the nodes need no access to the
 # server's artifact bucket (the sagemaker-mlflow plugin's switch).
 SAGEMAKER_PRESIGNED_UPLOAD = "SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED"
+MLFLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"
 WANDB_INIT_SECONDS = 60.0
 THREAD_SUFFIX = "-tracker"
 # Library loggers whose warnings, in a tracker's thread, repeat what its one warning says (urllib3's retries,
@@ -162,6 +163,10 @@ class TrackerSender:
         self._thread = threading.Thread(target=self._work, name=f"{self.label}{THREAD_SUFFIX}", daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def write(self, step: int, walltime: float | None, scalars: Mapping[str, float]) -> None:
         if self.failed:
             return
@@ -179,6 +184,8 @@ class TrackerSender:
 
     def finish(self, artifacts: Sequence[Path], *, completed: bool) -> None:
         """Ask the thread to send the artifacts and end the run after what is queued (returns at once)."""
+        if self.failed:
+            return
         with contextlib.suppress(queue.Full):  # the thread is stuck on a request: `wait` reports it
             self._queue.put(_End(tuple(artifacts), completed), timeout=1.0)
 
@@ -190,16 +197,17 @@ class TrackerSender:
             log.info(f"{self.label}: {self.dropped} records were dropped in this run")
 
     def _work(self) -> None:
-        working = self._attempt("could not start the run", self._start)
+        """Start, send, finish; the first failure ends the thread (`write` then queues nothing more)."""
+        if not self._attempt("could not start the run", self._start):
+            return
         while True:
             item = self._queue.get()
             if isinstance(item, _End):
-                if working:
-                    self._attempt("could not finish the run", self._finish, item.artifacts, item.completed)
+                self._attempt("could not finish the run", self._finish, item.artifacts, item.completed)
                 return
-            if working:
-                working = self._attempt(f"could not send step {item.step}", self._send, item)
-                self.sent += working
+            if not self._attempt(f"could not send step {item.step}", self._send, item):
+                return
+            self.sent += 1
 
     def _attempt(self, what: str, action: Callable[..., None], *arguments: Any) -> bool:
         try:
@@ -238,6 +246,9 @@ class MlflowSender(TrackerSender):
             os.environ.setdefault(name, value)
         if sagemaker_mlflow_arn(self.settings.tracking_uri):
             os.environ.setdefault(SAGEMAKER_PRESIGNED_UPLOAD, "true")
+        if self.settings.tracking_uri.startswith("file:"):
+            # MLflow 3 keeps its file store for those who ask; a site naming a file:// URI asks.
+            os.environ.setdefault(MLFLOW_FILE_STORE, "true")
         import mlflow
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
