@@ -202,10 +202,14 @@ class MetricsSink:
         self._file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        # The trackers end their runs while CloudWatch sends what it has queued: the waits overlap.
+        deadline = time.monotonic() + tracker_senders.TRACKER_CLOSE_SECONDS
+        for tracker in self.trackers:
+            tracker.finish([self.jsonl], completed=completed)
         if self.cloudwatch is not None:
             self.cloudwatch.close()
-        if self.trackers:
-            tracker_senders.close_trackers(self.trackers, [self.jsonl], completed=completed)
+        for tracker in self.trackers:
+            tracker.wait(deadline)
 
     def __enter__(self) -> MetricsSink:
         return self
