@@ -33,6 +33,7 @@ from training.config.site import Site
 from training.config.tracking import TRACKING_VARIABLE, MlflowTracking, Tracking, tracking_environment
 from training.errors import UserError
 from training.local.tiny import build_tiny_world
+from training.pipeline.export import files_to_export
 from training.pipeline.runs import plan_run, render
 from training.train.loop import TrainOptions, train
 from training.train.metrics import read_metrics, tensorboard_scalars
@@ -182,6 +183,8 @@ def test_mlflow_and_wandb_record_the_run(
     assert {entry.path for entry in artifact.manifest.contents} == {RECIPE_ARTIFACT, "metrics.jsonl"}
     (exit_record,) = [r.exit for r in wandb_run if r.WhichOneof("record_type") == "exit"]
     assert exit_record.exit_code == 0
+    # The export stage copies it with the results, for `wandb sync` later.
+    assert run_file.relative_to(tmp_path / "run") in files_to_export(tmp_path / "run", with_checkpoints=False)
 
 
 def test_a_requeued_run_continues_its_mlflow_run(

@@ -33,7 +33,8 @@ from training.errors import UserError
 log = logging.getLogger(__name__)
 METRICS = "checkpoints/metrics.jsonl"
 PLOT = "metrics.png"
-EXPORTED = ("hf", METRICS, "tensorboard", PLOT, "samples.json", "logs", "run.json", "recipe.yaml")
+# `wandb`: a W&B run's local files (training.train.trackers), which `wandb sync` uploads from the results later.
+EXPORTED = ("hf", METRICS, "tensorboard", "wandb", PLOT, "samples.json", "logs", "run.json", "recipe.yaml")
 
 
 def files_to_export(run_dir: Path, with_checkpoints: bool) -> list[Path]:
