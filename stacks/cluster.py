@@ -142,6 +142,7 @@ class Cluster(Construct):
         deployment_logs: logs.ILogGroup,
         head_node_access: Sequence[iam.PolicyStatement],
         compute_node_access: Sequence[iam.PolicyStatement],
+        training_node_access: Sequence[iam.PolicyStatement] = (),
     ) -> None:
         super().__init__(scope, construct_id)
         self.cluster_name = cluster_name
@@ -191,6 +192,18 @@ class Cluster(Construct):
             [*compute_node_access, *self._neuron_apt_key_record_access()],
             metrics_namespace,
         )
+        # What only the Trainium queue's nodes need (the training job's trackers): a policy of that queue alone.
+        self.training_node_policy = (
+            iam.ManagedPolicy(
+                self,
+                "TrainingNodePolicy",
+                path=PARALLELCLUSTER_POLICY_PATH,
+                description=f"Trainium nodes of {cluster_name}: the training job's experiment trackers",
+                statements=list(training_node_access),
+            )
+            if training_node_access
+            else None
+        )
 
         self.provider = CfnStack(
             self,
@@ -204,6 +217,9 @@ class Cluster(Construct):
             file_system_id=file_system.file_system_id,
             head_node_policy_arn=self.head_node_policy.managed_policy_arn,
             compute_node_policy_arn=self.compute_node_policy.managed_policy_arn,
+            training_node_policy_arn=(
+                self.training_node_policy.managed_policy_arn if self.training_node_policy is not None else None
+            ),
             bootstrap_script_url=self.bootstrap_script_uri,
             bootstrap_args=bootstrap_arguments(
                 neuron_release=neuron_release,

@@ -19,6 +19,7 @@ from pydantic.json_schema import SkipJsonSchema
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES, CPU_INSTANCE_TYPES
 from training.config.loading import Allowed, Bool, ConfigError, Int, Str, StrictModel, build, check, read_mapping
 from training.config.recipe import bundled_recipes, load_recipe, resolve_recipe_path
+from training.config.tracking import Tracking
 from training.errors import UserError
 from training.train.memory import HARDWARE, refusal
 
@@ -296,6 +297,11 @@ class EnvironmentConfig(StrictModel):
     budget: BudgetConfig = BudgetConfig()
     pipeline: PipelineConfig = PipelineConfig()
     neuron: NeuronConfig = NeuronConfig()
+    tracking: Tracking = Field(
+        Tracking(),
+        description="experiment trackers the training job reports to besides TensorBoard and CloudWatch; the "
+        "Trainium nodes get access to exactly the SageMaker MLflow server and the W&B key's secret named here",
+    )
     tags: dict[Str, Str] = Field(default_factory=dict)
 
     @property
@@ -393,6 +399,12 @@ def validate(config: EnvironmentConfig) -> list[str]:
         if key.lower().startswith("aws:") or not 1 <= len(key) <= 128 or len(value) > 256:
             bad(f"tags.{key}", value, "keys of 1-128 characters not starting with 'aws:', values up to 256")
     _validate_pipeline(config.pipeline, config.compute, bad)
+    wandb = config.tracking.wandb
+    if wandb is not None and wandb.mode == "online" and wandb.api_key_secret_arn is None:
+        problems.append(
+            "tracking.wandb.api_key_secret_arn: missing for online mode; allowed: the ARN of a Secrets Manager secret "
+            "holding the W&B API key (the nodes have no other key), or tracking.wandb.mode offline"
+        )
     return problems
 
 

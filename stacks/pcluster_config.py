@@ -42,6 +42,7 @@ class ClusterResources:
     compute_node_policy_arn: str
     bootstrap_script_url: str
     bootstrap_args: tuple[str, ...]
+    training_node_policy_arn: str | None = None  # the Trainium queue's alone (the training job's trackers)
 
 
 def build_cluster_configuration(settings: ClusterSettings, resources: ClusterResources) -> dict[str, Any]:
@@ -90,7 +91,12 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
         "ComputeResources": [compute_resource],
         **({"Image": {"CustomAmi": compute.custom_ami}} if compute.custom_ami else {}),
         "CustomActions": bootstrap,
-        "Iam": {"AdditionalIamPolicies": [{"Policy": resources.compute_node_policy_arn}]},
+        "Iam": {
+            "AdditionalIamPolicies": [
+                {"Policy": resources.compute_node_policy_arn},
+                *([{"Policy": resources.training_node_policy_arn}] if resources.training_node_policy_arn else []),
+            ]
+        },
         # Trainium jobs own whole nodes; sharing a node between jobs would split its NeuronCores.
         "JobExclusiveAllocation": True,
     }

@@ -51,5 +51,6 @@ def site_settings(config: EnvironmentConfig, *, neuron_release: str, results_uri
         time_minutes=0,
         region=config.region,
         metrics_namespace=namespace_of(config.name),
+        tracking=config.tracking,
     )
     return site.model_dump(mode="json")

@@ -23,6 +23,7 @@ from stacks.pipeline import SOURCE_PREFIX, SSM_OUTPUT_PREFIX, Pipeline, SharedEn
 from stacks.pipeline_site import EXECUTED_FOLDERS, shared_env_path, site_settings
 from stacks.preflight import Preflight, preflight_checks
 from stacks.storage import Storage
+from stacks.tracking_access import tracking_access
 from training.config.recipe import load_recipe
 from training.errors import UserError
 from training.monitoring.cloudwatch import namespace_of
@@ -148,6 +149,7 @@ class TrainingEnvironmentStack(Stack):
             compute_node_access=self.storage.results_access(
                 read_prefixes=(NODE_FILES_PREFIX, f"{RESULTS_PREFIX}/"), write_prefixes=(f"{RESULTS_PREFIX}/",)
             ),
+            training_node_access=tracking_access(config.tracking),
         )
 
         self.cluster.resource.node.add_dependency(self.preflight.resource)

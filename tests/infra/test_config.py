@@ -87,7 +87,7 @@ RULES = {
         {"vpc": {"cidr": "10.0.0.0/16"}},
         "environments-under-test/candidate.yaml: vpc: unknown key; allowed keys here: region, availability_zone, "
         "cluster_name, os, network, head_node, compute, cpu_queue, storage, logging, monitoring, budget, pipeline, "
-        "neuron, tags",
+        "neuron, tracking, tags",
     ),
     "pipeline recipe not bundled": (
         {"pipeline.recipe": "gpt-oss"},

@@ -75,8 +75,18 @@ def resource_types(action: str) -> list[str]:
     return list(reference()[service]["Actions"][name].get("Resources", []))
 
 
+def _resource_entry(service: str, resource_type: str) -> Mapping[str, Any] | None:
+    """The reference's resource type, whose name an action may spell in another case (secretsmanager's actions
+    say `Secret`, its resource types `secret`; IAM's names are case-insensitive)."""
+    resources = reference()[service]["Resources"]
+    wanted = resource_type.lower()
+    return next((entry for name, entry in resources.items() if name.lower() == wanted), None)
+
+
 def arn_pattern(service: str, resource_type: str) -> list[re.Pattern[str]]:
-    formats = reference()[service]["Resources"][resource_type]["ARNFormats"]
+    entry = _resource_entry(service, resource_type)
+    assert entry is not None, f"{service} has no resource type {resource_type}"
+    formats = entry["ARNFormats"]
     return [re.compile(re.sub(r"\$\{[^}]+\}", "[^:]*", text)) for text in formats]
 
 
@@ -89,7 +99,7 @@ def matching_types(action: str, arn: str) -> set[str]:
     found = set()
     for resource_type in types:
         target_service = service
-        if resource_type not in reference()[service]["Resources"]:
+        if _resource_entry(service, resource_type) is None:
             continue
         if any(pattern.fullmatch(arn) for pattern in arn_pattern(target_service, resource_type)):
             found.add(resource_type)

@@ -38,7 +38,7 @@ def test_every_problem_is_one_line(tmp_path: Path) -> None:
         f"{path}: neuron: 'yes please' is not allowed; allowed: true or false",
         f"{path}: queue: unknown key; allowed keys here: name, runs_root, results, python, setup, slurm_bin, "
         "partition, cpu_partition, processes_per_node, instance_type, exclusive, neuron, efa, compile_cache, "
-        "max_restarts, time_minutes, region, metrics_namespace",
+        "max_restarts, time_minutes, region, metrics_namespace, tracking",
     ]
 
 
@@ -55,3 +55,28 @@ def test_the_region_and_the_metrics_namespace_are_checked(tmp_path: Path) -> Non
     path.write_text("region: us-west-2\nmetrics_namespace: Trainium/default\n")
     site = load_site(path)
     assert (site.region, site.metrics_namespace) == ("us-west-2", "Trainium/default")
+
+
+def test_the_tracking_settings_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "site.yaml"
+    path.write_text(
+        "tracking:\n  mlflow:\n    tracking_uri: 'http://mlflow host:5000'\n"
+        "  wandb:\n    project: llama\n    api_key_secret_arn: wandb-key\n    mode: shared\n"
+    )
+    with pytest.raises(ConfigError) as raised:
+        load_site(path)
+    assert raised.value.problems == [
+        f"{path}: tracking.mlflow.tracking_uri: 'http://mlflow host:5000' is not allowed; allowed: an MLflow tracking "
+        "URI without whitespace or quotes: http(s)://host:port, file:///path, or a SageMaker MLflow tracking server "
+        "ARN (arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME)",
+        f"{path}: tracking.wandb.api_key_secret_arn: 'wandb-key' is not allowed; allowed: a Secrets Manager secret "
+        "ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-SUFFIX) (or omit it)",
+        f"{path}: tracking.wandb.mode: 'shared' is not allowed; allowed: online, offline",
+    ]
+    path.write_text("tracking:\n  mlflow:\n    tracking_uri: file:///fsx/mlruns\n")
+    site = load_site(path)
+    assert site.tracking.mlflow is not None and site.tracking.wandb is None
+    assert (site.tracking.mlflow.tracking_uri, site.tracking.mlflow.experiment) == (
+        "file:///fsx/mlruns",
+        "trainium-training",
+    )

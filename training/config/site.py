@@ -12,6 +12,7 @@ from typing import Annotated
 from pydantic import Field, Strict
 
 from training.config.loading import Allowed, Bool, PositiveInt, Str, StrictModel, build, read_mapping
+from training.config.tracking import Tracking
 
 # Slurm reads `#SBATCH` lines itself (quotes group, `#` starts a comment, whitespace separates), so a value
 # there cannot be shell-quoted: a partition is one or more plain names, comma-separated.
@@ -81,6 +82,9 @@ class Site(StrictModel):
         Field(pattern=r"^[A-Za-z0-9/_.#:-]{1,255}$"),
         Allowed("a CloudWatch namespace such as Trainium/default (1 to 255 of letters, digits and . - _ / # :)"),
     ] = Field(None, description="CloudWatch namespace of the training metrics; omit to keep them in files only")
+    tracking: Tracking = Field(
+        Tracking(), description="experiment trackers the training job also reports to (MLflow, Weights & Biases)"
+    )
 
 
 def load_site(path: Path | None) -> Site:

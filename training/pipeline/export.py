@@ -44,6 +44,7 @@ EXPORTED = (
     "hf",
     METRICS,
     "tensorboard",
+    "wandb",  # a W&B run's local files (training.train.trackers), which `wandb sync` uploads later
     PLOT,
     "samples.json",
     "evaluation.json",  # training.pipeline.evaluate's report and table, exported whether its gate passed or not

@@ -37,6 +37,7 @@ from training.config.loading import has_control_characters, not_allowed
 from training.config.precision import NEURON_ENVIRONMENT
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
+from training.config.tracking import tracking_environment
 from training.errors import UserError
 from training.train.batches import BatchPlan
 from training.train.memory import DEFAULT_HARDWARE, HARDWARE, Hardware, model_config, refusal
@@ -352,6 +353,8 @@ def render(plan: RunPlan) -> dict[str, str]:
             "compile_cache": site.compile_cache,
             "region": site.region,
             "metrics_namespace": site.metrics_namespace,
+            # MLflow and W&B settings (no secret among them): the train stage reports to them.
+            "tracking": tracking_environment(site.tracking) if stage.name == "train" else None,
             # The recipe's Neuron settings; the compile cache is the site's, always the last flag.
             "neuron_cc_flags": " ".join((*recipe.neuron.compiler_flags, f"--cache_dir={site.compile_cache}")),
             "inflight_requests": recipe.neuron.inflight_requests,

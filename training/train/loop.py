@@ -205,7 +205,11 @@ def _run(
     metrics = None
     if rank == 0:  # JSON lines, TensorBoard, CloudWatch (training.train.metrics)
         metrics = open_metrics(
-            checkpoint_dir, first_step=start + 1, compile_only=options.compile_only, path=options.metrics
+            checkpoint_dir,
+            first_step=start + 1,
+            compile_only=options.compile_only,
+            path=options.metrics,
+            recipe_settings=recipe_as_dict(recipe),
         )
         log.info(
             f"training {recipe.name}: steps {start + 1}..{last} of {recipe.steps}, tp {parallelism.tp}, "
@@ -225,6 +229,7 @@ def _run(
         tokens = plan.accumulation * plan.micro * recipe.batch.seq_len
         choices_per_step = tokens * model.config.experts_per_token * model.spec.num_layers
     window = _Window(time.perf_counter())
+    completed = False
 
     def report(
         done: int,
@@ -306,9 +311,10 @@ def _run(
             # starts with a rendezvous, a small collective graph. Compiled here (the compile stage saves nothing),
             # not at the run's first checkpoint.
             parallel.rendezvous("compile stage: the checkpoint save's graph")
+        completed = True
     finally:
         if metrics is not None:
-            metrics.close()
+            metrics.close(completed=completed)
     first, final = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     return {"steps": last, "started_at": start, "first_loss": first, "last_loss": final}
 

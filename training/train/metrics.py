@@ -19,6 +19,11 @@ counters on Neuron). The sink writes it to:
   thread sends them, so a slow or unreachable CloudWatch never stalls a step; a failure is logged as one
   warning (later ones are counted, and the count logged when the run ends) and never stops training.
   boto3 is imported only when the namespace is set.
+- MLflow and Weights & Biases, when the job's environment configures them (`TRAINING_TRACKING`, the site's
+  `tracking` settings, exported by the train stage's job script): the TensorBoard scalars with their step, the
+  recipe as parameters, and the recipe and the JSON lines as artifacts at the end (training.train.trackers).
+  Each has its own thread and queue like CloudWatch's; a failing tracker is one warning and stops, training
+  goes on. Neither library is imported without its settings.
 
 A compile run (`--compile`) writes its JSON lines only: no event files, nothing sent to CloudWatch.
 """
@@ -33,13 +38,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from training.errors import UserError
 from training.monitoring import cloudwatch
 from training.monitoring.cloudwatch import Datum
+from training.train import trackers as tracker_senders
 
 log = logging.getLogger(__name__)
 
@@ -162,36 +168,54 @@ class CloudWatchSender:
 class MetricsSink:
     """Rank 0's metric destinations for one run; `write` each logged step's record, `close` at the end."""
 
-    def __init__(self, jsonl: Path, tensorboard: Any | None = None, cloudwatch: CloudWatchSender | None = None) -> None:
+    def __init__(
+        self,
+        jsonl: Path,
+        tensorboard: Any | None = None,
+        cloudwatch: CloudWatchSender | None = None,
+        trackers: Sequence[tracker_senders.TrackerSender] = (),
+    ) -> None:
         jsonl.parent.mkdir(parents=True, exist_ok=True)
         self.jsonl = jsonl
         self._file = jsonl.open("a")
         self.tensorboard = tensorboard  # a torch.utils.tensorboard.SummaryWriter
         self.cloudwatch = cloudwatch
+        self.trackers = tuple(trackers)
 
     def write(self, record: Mapping[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self.tensorboard is not None:
-            step, walltime = int(record["step"]), record.get("time")
-            for tag, value in tensorboard_scalars(record).items():
-                self.tensorboard.add_scalar(tag, value, global_step=step, walltime=walltime)
-            self.tensorboard.flush()
+        step, walltime = int(record["step"]), record.get("time")
+        if self.tensorboard is not None or self.trackers:
+            scalars = tensorboard_scalars(record)
+            for tracker in self.trackers:
+                tracker.write(step, walltime, scalars)
+            if self.tensorboard is not None:
+                for tag, value in scalars.items():
+                    self.tensorboard.add_scalar(tag, value, global_step=step, walltime=walltime)
+                self.tensorboard.flush()
         if self.cloudwatch is not None:
             self.cloudwatch.write(record)
 
-    def close(self) -> None:
+    def close(self, *, completed: bool = True) -> None:
+        """`completed`: the run ended normally (trackers mark their run finished, else failed)."""
         self._file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        # The trackers end their runs while CloudWatch sends what it has queued: the waits overlap.
+        deadline = time.monotonic() + tracker_senders.TRACKER_CLOSE_SECONDS
+        for tracker in self.trackers:
+            tracker.finish([self.jsonl], completed=completed)
         if self.cloudwatch is not None:
             self.cloudwatch.close()
+        for tracker in self.trackers:
+            tracker.wait(deadline)
 
     def __enter__(self) -> MetricsSink:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.close(completed=kind is None)
 
 
 def open_metrics(
@@ -201,8 +225,10 @@ def open_metrics(
     compile_only: bool = False,
     path: Path | None = None,
     environ: Mapping[str, str] = os.environ,
+    recipe_settings: Mapping[str, Any] | None = None,
 ) -> MetricsSink:
-    """The sink of a run whose first logged step will be `first_step` (1, or the resumed checkpoint's step + 1)."""
+    """The sink of a run whose first logged step will be `first_step` (1, or the resumed checkpoint's step + 1);
+    `recipe_settings` (the resolved recipe) is what trackers record as the run's parameters."""
     jsonl = path or (checkpoint_dir / (COMPILE_METRICS_FILE if compile_only else METRICS_FILE))
     if compile_only:
         return MetricsSink(jsonl)
@@ -217,7 +243,13 @@ def open_metrics(
     if sender is not None:
         run = f" and dimension {cloudwatch.RUN_DIMENSION}={sender.run_id}" if sender.run_id else ""
         log.info(f"sending training metrics to CloudWatch namespace {namespace} without dimensions{run}")
-    return MetricsSink(jsonl, writer, sender)
+    facts = tracker_senders.RunFacts(
+        run_id=environ.get(RUN_ID_VARIABLE, "").strip() or None,
+        settings=recipe_settings or {},
+        run_dir=checkpoint_dir.absolute().parent,
+    )
+    trackers = tracker_senders.open_trackers(tracker_senders.tracking_from_environment(environ), facts, environ)
+    return MetricsSink(jsonl, writer, sender, trackers)
 
 
 EVENT_FILE_PREFIX = "events.out.tfevents."
