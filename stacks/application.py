@@ -17,7 +17,7 @@ DEFAULT_ENVIRONMENT = "default"
 def build_app(app: App, config: EnvironmentConfig) -> TrainingEnvironmentStack:
     """Add the environment's stack and the cdk-nag AwsSolutions checks with their reviewed acknowledgements."""
     stack = TrainingEnvironmentStack(app, config=config)
-    acknowledge_reviewed_findings(stack)
+    acknowledge_reviewed_findings(stack, fsx_s3_prefix=config.storage.fsx_s3_prefix)
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return stack
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +125,10 @@ class Cluster(Construct):
 
     `head_node_access` and `compute_node_access` are the statements the stack grants each node type on
     resources outside the cluster; they lead the node policies, before the cluster's own statements.
+    `queue_access` grants more to the nodes of one Slurm queue only (queue name -> statements): each queue with
+    statements gets a managed policy of its own, attached to that queue alone (ParallelCluster's per-queue
+    `Iam.AdditionalIamPolicies`), so what one queue's jobs need (the Hub token secrets of the CPU stages) is out
+    of reach of the others.
 
     Every file a node executes or reads while bootstrapping (the script, the locked requirement set, the node
     settings) is uploaded by one deployment to fixed keys under `NODE_FILES_PREFIX`: the cluster configuration
@@ -152,6 +156,7 @@ class Cluster(Construct):
         deployment_logs: logs.ILogGroup,
         head_node_access: Sequence[iam.PolicyStatement],
         compute_node_access: Sequence[iam.PolicyStatement],
+        queue_access: Mapping[str, Sequence[iam.PolicyStatement]] | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         self.cluster_name = cluster_name
@@ -201,6 +206,17 @@ class Cluster(Construct):
             [*compute_node_access, *self._neuron_apt_key_record_access()],
             metrics_namespace,
         )
+        self.queue_policies = {
+            queue: iam.ManagedPolicy(
+                self,
+                f"QueuePolicy-{queue}",
+                path=PARALLELCLUSTER_POLICY_PATH,
+                description=f"Nodes of queue {queue} of {cluster_name} only",
+                statements=list(statements),
+            )
+            for queue, statements in sorted((queue_access or {}).items())
+            if statements
+        }
 
         self.provider = CfnStack(
             self,
@@ -214,6 +230,7 @@ class Cluster(Construct):
             file_system_id=file_system.file_system_id,
             head_node_policy_arn=self.head_node_policy.managed_policy_arn,
             compute_node_policy_arn=self.compute_node_policy.managed_policy_arn,
+            queue_policy_arns={queue: policy.managed_policy_arn for queue, policy in self.queue_policies.items()},
             bootstrap_script_url=self.bootstrap_script_uri,
             bootstrap_args=bootstrap_arguments(
                 neuron_release=neuron_release,

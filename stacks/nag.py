@@ -144,9 +144,33 @@ def pipeline_acknowledgements(region: str) -> tuple[Acknowledgement, ...]:
     )
 
 
-def acknowledge_reviewed_findings(stack: Stack) -> None:
+# The per-queue policies (Cluster/QueuePolicy-<queue>, stacks/cluster.py): what each may do under which bucket
+# prefix, the prefixes relative to the file system's (storage.fsx_s3_prefix).
+QUEUE_OBJECT_ACCESS = {
+    "models/": "the fetch stage copies each base model it downloads to <fsx prefix>/models/<model>/, the prefix "
+    "the file system imports /fsx/models from, and reads back the copy's fetch-manifest.json; model names come "
+    "from the recipes, not known at deploy time",
+}
+
+
+def queue_acknowledgements(stack: Stack, fsx_s3_prefix: str) -> tuple[Acknowledgement, ...]:
+    """The findings of the queue policies the stack has (one per queue with statements of its own)."""
+    cluster = stack.node.try_find_child("Cluster")
+    policies = [c.node.id for c in cluster.node.children if c.node.id.startswith("QueuePolicy-")] if cluster else []
+    return tuple(
+        Acknowledgement(f"Cluster/{policy}", objects_under(f"{fsx_s3_prefix}/{folder}"), reason)
+        for policy in policies
+        for folder, reason in QUEUE_OBJECT_ACCESS.items()
+    )
+
+
+def acknowledge_reviewed_findings(stack: Stack, *, fsx_s3_prefix: str = "fsx") -> None:
     """Attach each acknowledgement to the narrowest construct it concerns."""
-    for acknowledgement in (*ACKNOWLEDGEMENTS, *pipeline_acknowledgements(stack.region)):
+    for acknowledgement in (
+        *ACKNOWLEDGEMENTS,
+        *pipeline_acknowledgements(stack.region),
+        *queue_acknowledgements(stack, fsx_s3_prefix),
+    ):
         construct = stack.node.find_child(acknowledgement.path.split("/")[0])
         for part in acknowledgement.path.split("/")[1:]:
             construct = construct.node.find_child(part)

@@ -43,7 +43,7 @@ SecretArn = Annotated[
 S3Uri = Annotated[
     str,
     Strict(),
-    Field(pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9!_.*'()/-]*)?$"),
+    Field(pattern=r"^s3://[^\s/]+(/\S*)?$"),
     Allowed("an S3 URI such as s3://bucket/fsx/models"),
 ]
 # Slurm turns `--time` minutes into seconds in a signed 32-bit integer.
