@@ -80,7 +80,8 @@ class HubStandin:
         return self._commit(repo, files)
 
     def add_model_directory(self, repo_id: str, directory: Path, **options: Any) -> str:
-        files = {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+        paths = sorted(p for p in directory.rglob("*") if p.is_file())
+        files = {p.relative_to(directory).as_posix(): p.read_bytes() for p in paths}
         return self.add_model(repo_id, files, **options)
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
@@ -107,7 +108,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     # --- answers ---
 
-    def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *, head: bool = False) -> None:
+    def _send(
+        self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *, head: bool = False
+    ) -> None:
         self.send_response(status)
         for key, value in (headers or {}).items():
             self.send_header(key, value)
@@ -117,7 +120,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _json(self, status: int, value: Any, headers: dict[str, str] | None = None, *, head: bool = False) -> None:
-        self._send(status, json.dumps(value).encode(), {"Content-Type": "application/json", **(headers or {})}, head=head)
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        self._send(status, json.dumps(value).encode(), headers, head=head)
 
     def _error(self, status: int, code: str | None, message: str, *, head: bool = False) -> None:
         headers = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {})}
@@ -175,6 +179,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("POST")
 
     def _route(self, method: str) -> None:
+        # Read the whole body first: on a kept-alive connection, unread bytes would be taken for the next request.
+        self._payload = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         url = urllib.parse.urlsplit(self.path)
         path = urllib.parse.unquote(url.path)
         self.server.hub.requests.append(f"{method} {path}")
@@ -197,7 +203,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._error(404, None, f"the stand-in has no route {method} {path}", head=head)
 
     def _body(self) -> bytes:
-        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        return self._payload
 
     def _body_json(self) -> Any:
         return json.loads(self._body() or b"{}")

@@ -225,9 +225,17 @@ def _download(source: HubSource, output: Path, *, token: str | None, overwrite: 
     from huggingface_hub import HfApi, hf_hub_download
 
     repo, revision, endpoint = source.repo, source.revision, hub_endpoint()
+    earlier = read_fetch_manifest(output)
+    if earlier is not None and not overwrite:
+        raise UserError(
+            f"model.config {output} holds {earlier.get('repo_id')} at {earlier.get('revision')}, not {repo} at "
+            f"{revision}; fetch with --overwrite to replace it, or set model.config to another directory"
+        )
     if outputs.output_state(output) == "foreign":
-        there = "files not fetched by this stage" if read_fetch_manifest(output) is None else "another fetch"
-        raise UserError(f"model.config {output} holds {there}; remove it, or omit model.hub to train on what is there")
+        raise UserError(
+            f"model.config {output} holds files not fetched by this stage; remove it, or omit model.hub to train "
+            "on what is there"
+        )
     api = HfApi(endpoint=endpoint, token=token)
     info = calling_hub(repo, revision, lambda: api.model_info(repo, revision=revision, files_metadata=True))
     if info.sha != revision:
@@ -240,13 +248,13 @@ def _download(source: HubSource, output: Path, *, token: str | None, overwrite: 
     hashes: dict[str, str] = {}
     with outputs.atomic_directory(output, overwrite=overwrite) as partial:
         for count, remote in enumerate(files):
-            calling_hub(
-                repo,
-                revision,
-                lambda remote=remote: hf_hub_download(
-                    repo, remote.path, revision=revision, local_dir=partial, token=token, endpoint=endpoint
-                ),
-            )
+
+            def download(name: str = remote.path) -> str:
+                return str(
+                    hf_hub_download(repo, name, revision=revision, local_dir=partial, token=token, endpoint=endpoint)
+                )
+
+            calling_hub(repo, revision, download)
             sha256, blob_id = file_hashes(partial / remote.path)
             problem = mismatch(remote, sha256, blob_id)
             if problem is not None:
