@@ -189,7 +189,9 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "GET" and parts[:2] == ["api", "models"] and len(parts) >= 4:
             repo_id = "/".join(parts[2:4])
             revision = "/".join(parts[5:]) if len(parts) > 5 and parts[4] == "revision" else "main"
-            return self._model_info(repo_id, revision, blobs=urllib.parse.parse_qs(url.query).get("blobs") == ["true"])
+            # `files_metadata=True`: blobs=true from httpx (huggingface_hub 1.x), blobs=True from requests (0.x).
+            blobs = [v.lower() for v in urllib.parse.parse_qs(url.query).get("blobs", [])] == ["true"]
+            return self._model_info(repo_id, revision, blobs=blobs)
         if method in ("GET", "HEAD") and len(parts) >= 5 and parts[2] == "resolve":
             return self._resolve("/".join(parts[:2]), parts[3], "/".join(parts[4:]), head=head)
         if method == "POST" and path == "/api/repos/create":
