@@ -69,6 +69,7 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         "cancel",
         "sample",
         "export",
+        "fetch",
         "monitor cluster",
         "monitor neuron",
     }
@@ -78,7 +79,7 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         assert "--input" in options(commands[name]), name  # the one path it reads
     for name in ("submit", "status", "cancel", "monitor cluster", "monitor neuron"):
         assert "--site" in options(commands[name]), name
-    for name in ("train", "plan", "submit", "sample"):
+    for name in ("train", "plan", "submit", "sample", "fetch"):
         assert "--recipe" in options(commands[name]), name
     assert "--run-dir" in options(commands["export"])
     retired = {"--out", "--env-file", "--model"}
