@@ -144,32 +144,29 @@ def pipeline_acknowledgements(region: str) -> tuple[Acknowledgement, ...]:
     )
 
 
-# The per-queue policies (Cluster/QueuePolicy-<queue>, stacks/cluster.py): what each may do under which bucket
-# prefix, the prefixes relative to the file system's (storage.fsx_s3_prefix).
-QUEUE_OBJECT_ACCESS = {
+# The per-queue policies (Cluster/QueuePolicy-<queue>, stacks/cluster.py): what the CPU stages' queue may do under
+# which prefix of the file system's part of the bucket (storage.fsx_s3_prefix).
+CPU_STAGES_OBJECT_ACCESS = {
     "models/": "the fetch stage copies each base model it downloads to <fsx prefix>/models/<model>/, the prefix "
     "the file system imports /fsx/models from, and reads back the copy's fetch-manifest.json; model names come "
     "from the recipes, not known at deploy time",
 }
 
 
-def queue_acknowledgements(stack: Stack, fsx_s3_prefix: str) -> tuple[Acknowledgement, ...]:
-    """The findings of the queue policies the stack has (one per queue with statements of its own)."""
-    cluster = stack.node.try_find_child("Cluster")
-    policies = [c.node.id for c in cluster.node.children if c.node.id.startswith("QueuePolicy-")] if cluster else []
+def queue_acknowledgements(cpu_stages_queue: str, fsx_s3_prefix: str) -> tuple[Acknowledgement, ...]:
+    """The findings of the CPU stages' queue policy (stacks/training_environment.py: cpu_stages_queue)."""
     return tuple(
-        Acknowledgement(f"Cluster/{policy}", objects_under(f"{fsx_s3_prefix}/{folder}"), reason)
-        for policy in policies
-        for folder, reason in QUEUE_OBJECT_ACCESS.items()
+        Acknowledgement(f"Cluster/QueuePolicy-{cpu_stages_queue}", objects_under(f"{fsx_s3_prefix}/{folder}"), reason)
+        for folder, reason in CPU_STAGES_OBJECT_ACCESS.items()
     )
 
 
-def acknowledge_reviewed_findings(stack: Stack, *, fsx_s3_prefix: str = "fsx") -> None:
+def acknowledge_reviewed_findings(stack: Stack, *, cpu_stages_queue: str, fsx_s3_prefix: str) -> None:
     """Attach each acknowledgement to the narrowest construct it concerns."""
     for acknowledgement in (
         *ACKNOWLEDGEMENTS,
         *pipeline_acknowledgements(stack.region),
-        *queue_acknowledgements(stack, fsx_s3_prefix),
+        *queue_acknowledgements(cpu_stages_queue, fsx_s3_prefix),
     ):
         construct = stack.node.find_child(acknowledgement.path.split("/")[0])
         for part in acknowledgement.path.split("/")[1:]:

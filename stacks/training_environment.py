@@ -6,6 +6,8 @@ This is the only code that reads the whole environment; each construct gets only
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from aws_cdk import CfnOutput, Environment, Stack, Tags
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
@@ -161,19 +163,7 @@ class TrainingEnvironmentStack(Stack):
             compute_node_access=self.storage.results_access(
                 read_prefixes=(NODE_FILES_PREFIX, f"{RESULTS_PREFIX}/"), write_prefixes=(f"{RESULTS_PREFIX}/",)
             ),
-            # The CPU stages' nodes alone: the fetch stage's copy of base models to the bucket prefix the file
-            # system imports /fsx/models from, and the Hub token secrets (fetch, export).
-            queue_access={
-                cpu_stages_queue(config): [
-                    iam.PolicyStatement(
-                        actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
-                        resources=[
-                            self.storage.bucket.arn_for_objects(f"{config.storage.fsx_s3_prefix}/{MODELS_FOLDER}/*")
-                        ],
-                    ),
-                    *hub_secret_access(config),
-                ]
-            },
+            queue_access=self._queue_access(config),
         )
 
         self.cluster.resource.node.add_dependency(self.preflight.resource)
@@ -283,3 +273,16 @@ class TrainingEnvironmentStack(Stack):
             value=self.pipeline.run_status,
             description="submitted, no-run, submitted-earlier, or not-started: <why> (the environment is kept)",
         )
+
+    def _queue_access(self, config: EnvironmentConfig) -> dict[str, list[iam.PolicyStatement]]:
+        """What only one queue's nodes may do, by queue (each list becomes that queue's own policy). The CPU stages'
+        queue: the fetch stage's copy of base models to the bucket prefix the file system imports /fsx/models from,
+        and the Hub token secrets (fetch, export). Statements for another queue are added to its list; without a
+        CPU queue, the CPU stages' list is the Trainium queue's."""
+        access: dict[str, list[iam.PolicyStatement]] = defaultdict(list)
+        models = self.storage.bucket.arn_for_objects(f"{config.storage.fsx_s3_prefix}/{MODELS_FOLDER}/*")
+        access[cpu_stages_queue(config)] += [
+            iam.PolicyStatement(actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject"], resources=[models]),
+            *hub_secret_access(config),
+        ]
+        return dict(access)
