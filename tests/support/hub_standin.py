@@ -323,6 +323,21 @@ class _Server(ThreadingHTTPServer):
     hub: HubStandin
 
 
+def point_client_at(endpoint: str, monkeypatch: Any) -> None:
+    """This process's huggingface_hub as a process started with HF_ENDPOINT=endpoint has it (the pipeline's jobs):
+    the client reads the variable once, when imported, into these module values (0.36 parses the commit URLs the
+    Hub answers with against the first one, whatever endpoint a call was given)."""
+    import huggingface_hub.constants
+    import huggingface_hub.file_download
+
+    template = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    if hasattr(huggingface_hub.file_download, "HUGGINGFACE_CO_URL_TEMPLATE"):  # imported by name there
+        monkeypatch.setattr(huggingface_hub.file_download, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+
+
 @contextmanager
 def running_hub(hub: HubStandin | None = None) -> Iterator[HubStandin]:
     """The stand-in on a free port of 127.0.0.1 for the block; `hub.endpoint` is its URL."""

@@ -16,7 +16,7 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from tests.support.hub_standin import HubStandin, running_hub
+from tests.support.hub_standin import HubStandin, point_client_at, running_hub
 from training.cli import main
 from training.config.recipe import HubSource, load_recipe
 from training.config.site import Site
@@ -43,7 +43,7 @@ def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def hub(tiny_hf: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubStandin]:
     with running_hub() as standin:
-        monkeypatch.setenv("HF_ENDPOINT", standin.endpoint)
+        point_client_at(standin.endpoint, monkeypatch)
         monkeypatch.delenv("HF_TOKEN", raising=False)
         standin.add_model_directory(REPO, tiny_hf, gated=True, license="llama3.1")
         standin.add_token(READ_TOKEN, "alice")
