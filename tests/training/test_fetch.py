@@ -189,6 +189,21 @@ def test_each_refusal_is_one_line_naming_the_model_and_leaves_nothing(
     assert leftovers(tmp_path) == []
 
 
+def test_a_hub_that_does_not_answer_is_one_line(
+    tmp_path: Path, hub: HubStandin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    with socket.socket() as unused:  # a port of 127.0.0.1 nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    point_client_at(closed, monkeypatch)
+    with pytest.raises(UserError) as refusal:
+        fetch_model(HubSource(repo=REPO, revision=revision(hub)), tmp_path / "model", token=READ_TOKEN)
+    assert str(refusal.value).startswith(f"Hugging Face model {REPO}: the Hub cannot be reached from this node (")
+    assert leftovers(tmp_path) == []
+
+
 def test_the_cli_refusal_is_one_line_with_exit_status_2(
     tmp_path: Path, hub: HubStandin, aws: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -82,12 +82,21 @@ def hub_refusal(error: Exception, repo: str, revision: str | None, *, writing: b
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
     status = getattr(getattr(error, "response", None), "status_code", None)
     at = f" at revision {revision}" if revision else ""
+    # No answer at all: what huggingface_hub raises when a download finds neither the Hub nor a cached copy, or the
+    # HTTP library's own connection errors (requests in 0.x, httpx or httpx2 in later versions).
+    library = type(error).__module__.partition(".")[0]
+    if isinstance(error, LocalEntryNotFoundError | ConnectionError | TimeoutError) or (
+        library in ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3")
+        and not isinstance(error, HfHubHTTPError)
+    ):
+        return f"Hugging Face model {repo}: the Hub cannot be reached from this node ({type(error).__name__})"
     if isinstance(error, GatedRepoError):
         return (
             f"Hugging Face model {repo} is gated: accept its licence on the Hub with the account of the token, "
