@@ -131,6 +131,16 @@ def test_a_complete_fetch_is_kept_without_asking_the_hub(tmp_path: Path, hub: Hu
     assert second["fetched_at"] == first["fetched_at"]
 
 
+def test_a_fetch_missing_a_file_is_fetched_again(tmp_path: Path, hub: HubStandin) -> None:
+    source = HubSource(repo=REPO, revision=revision(hub))
+    output = tmp_path / "model"
+    fetch_model(source, output, token=READ_TOKEN)
+    (output / "model.safetensors").unlink()
+    again = fetch_model(source, output, token=READ_TOKEN)
+    assert not again["skipped"] and (output / "model.safetensors").read_bytes() == hub.files(REPO)["model.safetensors"]
+    assert leftovers(tmp_path) == ["model"]
+
+
 def test_another_revision_in_the_directory_is_refused_unless_overwritten(tmp_path: Path, hub: HubStandin) -> None:
     old = revision(hub)
     output = tmp_path / "model"

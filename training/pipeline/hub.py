@@ -235,7 +235,12 @@ def _download(source: HubSource, output: Path, *, token: str | None, overwrite: 
 
     repo, revision, endpoint = source.repo, source.revision, hub_endpoint()
     earlier = read_fetch_manifest(output)
-    if earlier is not None and not overwrite:
+    if earlier is not None and (earlier.get("repo_id"), earlier.get("revision")) == (repo, revision):
+        # The same fetch with files missing since (complete ones never get here): removed and fetched again in full,
+        # since a publish keeps an output recorded as made from the same inputs.
+        log.warning(f"{output}: files of the fetch of {repo} at {revision} are missing; fetching it again")
+        shutil.rmtree(output)
+    elif earlier is not None and not overwrite:
         raise UserError(
             f"model.config {output} holds {earlier.get('repo_id')} at {earlier.get('revision')}, not {repo} at "
             f"{revision}; fetch with --overwrite to replace it, or set model.config to another directory"
