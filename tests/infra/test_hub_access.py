@@ -30,7 +30,8 @@ def environment_with_hub(directory: Path, name: str, **changes: Any) -> Synthesi
 
 @pytest.fixture(scope="module")
 def with_hub(tmp_path_factory: pytest.TempPathFactory) -> Synthesized:
-    return environment_with_hub(tmp_path_factory.mktemp("hub"), "hub")
+    """The default environment with both token secrets and a push repository (its own directory, its name)."""
+    return environment_with_hub(tmp_path_factory.mktemp("hub"), "default")
 
 
 def secret_grants(env: Synthesized) -> list[Grant]:
@@ -103,3 +104,16 @@ def test_without_a_cpu_queue_the_trainium_queue_runs_the_fetch_and_gets_the_poli
 def test_an_environment_without_token_secrets_grants_no_secret(default_env: Synthesized) -> None:
     assert secret_grants(default_env) == []
     assert queue_policies(default_env)["cpu"][-1] == {"Ref": policy_of_queue(default_env, "cpu")}
+
+
+def test_adding_the_token_secrets_on_day_2_leaves_the_cluster_configuration_as_it_is(
+    with_hub: Synthesized, default_env: Synthesized
+) -> None:
+    """The CPU queue's own policy exists without secrets too (the model copy), so naming the secrets later changes
+    that policy's statements only, never the configuration ParallelCluster compares on an update."""
+
+    def configuration(env: Synthesized) -> Any:
+        (cluster,) = env.resources_of_type("Custom::PclusterCluster").values()
+        return cluster["Properties"]["ClusterConfiguration"]
+
+    assert configuration(with_hub) == configuration(default_env)
