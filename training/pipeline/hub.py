@@ -12,6 +12,10 @@ a new environment finds the model on the file system without a download.
 Tokens come from AWS Secrets Manager, read at run time into memory and handed to huggingface_hub as `token=`:
 never an environment variable, an argument or a line of a log. The Hub's refusals (gated model without an accepted
 licence, bad token, missing repository or revision) are one line naming the repository.
+
+The push creates the repository private unless told otherwise and commits the run's `hf/` directory as it is (the
+model card in it included); it refuses a run whose evaluation gate failed (`<run_dir>/evaluation.json`,
+`gate.passed` false) unless `--push-despite-gate`, and pushes a run without an evaluation with a warning.
 """
 
 from __future__ import annotations
