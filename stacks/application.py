@@ -9,7 +9,7 @@ from cdk_nag import AwsSolutionsChecks
 
 from stacks.config import ENVIRONMENTS_DIR, EnvironmentConfig, load_environment
 from stacks.nag import acknowledge_reviewed_findings
-from stacks.training_environment import TrainingEnvironmentStack
+from stacks.training_environment import TrainingEnvironmentStack, cpu_stages_queue
 
 DEFAULT_ENVIRONMENT = "default"
 
@@ -17,7 +17,9 @@ DEFAULT_ENVIRONMENT = "default"
 def build_app(app: App, config: EnvironmentConfig) -> TrainingEnvironmentStack:
     """Add the environment's stack and the cdk-nag AwsSolutions checks with their reviewed acknowledgements."""
     stack = TrainingEnvironmentStack(app, config=config)
-    acknowledge_reviewed_findings(stack)
+    acknowledge_reviewed_findings(
+        stack, cpu_stages_queue=cpu_stages_queue(config), fsx_s3_prefix=config.storage.fsx_s3_prefix
+    )
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return stack
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from aws_cdk import Aws, CfnStack, CustomResource, Fn, RemovalPolicy
@@ -115,6 +115,10 @@ class Cluster(Construct):
 
     `head_node_access` and `compute_node_access` are the statements the stack grants each node type on
     resources outside the cluster; they lead the node policies, before the cluster's own statements.
+    `queue_access` grants more to the nodes of one Slurm queue only (queue name -> statements): each queue with
+    statements gets a managed policy of its own, attached to that queue alone (ParallelCluster's per-queue
+    `Iam.AdditionalIamPolicies`), so what one queue's jobs need (the Hub token secrets of the CPU stages) is out
+    of reach of the others.
 
     Every file a node executes or reads while bootstrapping (the script, the locked requirement set, the node
     settings) is uploaded by one deployment to fixed keys under `NODE_FILES_PREFIX`: the cluster configuration
@@ -142,7 +146,7 @@ class Cluster(Construct):
         deployment_logs: logs.ILogGroup,
         head_node_access: Sequence[iam.PolicyStatement],
         compute_node_access: Sequence[iam.PolicyStatement],
-        training_node_access: Sequence[iam.PolicyStatement] = (),
+        queue_access: Mapping[str, Sequence[iam.PolicyStatement]] | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         self.cluster_name = cluster_name
@@ -192,18 +196,17 @@ class Cluster(Construct):
             [*compute_node_access, *self._neuron_apt_key_record_access()],
             metrics_namespace,
         )
-        # What only the Trainium queue's nodes need (the training job's trackers): a policy of that queue alone.
-        self.training_node_policy = (
-            iam.ManagedPolicy(
+        self.queue_policies = {
+            queue: iam.ManagedPolicy(
                 self,
-                "TrainingNodePolicy",
+                f"QueuePolicy-{queue}",
                 path=PARALLELCLUSTER_POLICY_PATH,
-                description=f"Trainium nodes of {cluster_name}: the training job's experiment trackers",
-                statements=list(training_node_access),
+                description=f"Nodes of queue {queue} of {cluster_name} only",
+                statements=list(statements),
             )
-            if training_node_access
-            else None
-        )
+            for queue, statements in sorted((queue_access or {}).items())
+            if statements
+        }
 
         self.provider = CfnStack(
             self,
@@ -217,9 +220,7 @@ class Cluster(Construct):
             file_system_id=file_system.file_system_id,
             head_node_policy_arn=self.head_node_policy.managed_policy_arn,
             compute_node_policy_arn=self.compute_node_policy.managed_policy_arn,
-            training_node_policy_arn=(
-                self.training_node_policy.managed_policy_arn if self.training_node_policy is not None else None
-            ),
+            queue_policy_arns={queue: policy.managed_policy_arn for queue, policy in self.queue_policies.items()},
             bootstrap_script_url=self.bootstrap_script_uri,
             bootstrap_args=bootstrap_arguments(
                 neuron_release=neuron_release,

@@ -18,7 +18,8 @@ from pydantic.json_schema import SkipJsonSchema
 
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES, CPU_INSTANCE_TYPES
 from training.config.loading import Allowed, Bool, ConfigError, Int, Str, StrictModel, build, check, read_mapping
-from training.config.recipe import bundled_recipes, load_recipe, resolve_recipe_path
+from training.config.recipe import HubRepo, bundled_recipes, load_recipe, resolve_recipe_path
+from training.config.site import SecretArn
 from training.config.tracking import Tracking
 from training.errors import UserError
 from training.train.memory import HARDWARE, refusal
@@ -243,7 +244,11 @@ class BudgetConfig(StrictModel):
 class PipelineConfig(StrictModel):
     """What `cdk deploy` starts on the cluster once it exists (a bundled recipe of training/train/recipes/)."""
 
-    start_run: Bool = Field(False, description="off until the recipe's model is uploaded to s3://<bucket>/fsx/models/")
+    start_run: Bool = Field(
+        False,
+        description="start the recipe's run on deploy; a recipe with model.hub fetches its model first (a gated one "
+        "needs hub.token_secret_arn), others need it uploaded to s3://<bucket>/fsx/models/",
+    )
     run: Annotated[int, Field(strict=True, ge=1), Allowed("a run number of 1 or more")] = Field(
         1, description="bump to start a new run on the next deploy; code changes alone never start one"
     )
@@ -275,6 +280,24 @@ class NeuronConfig(StrictModel):
     )
 
 
+class HubConfig(StrictModel):
+    """The Hugging Face Hub: tokens as Secrets Manager secrets (only their ARNs here; the CPU queue's nodes may read
+    exactly these two secrets), and where the export stage pushes the trained model."""
+
+    token_secret_arn: SecretArn | None = Field(
+        None,
+        description="secret whose string is the Hub token the fetch stage downloads the base model with (needed for "
+        "gated models such as Llama 3.1); its complete ARN, with the six characters Secrets Manager appends",
+    )
+    write_token_secret_arn: SecretArn | None = Field(
+        None, description="secret holding a Hub write token for hub.push_repo; its complete ARN"
+    )
+    push_repo: HubRepo | None = Field(
+        None, description="Hub repository (owner/name) the export stage pushes the trained model to; omit: no push"
+    )
+    private: Bool = Field(True, description="create push_repo as a private repository")
+
+
 class EnvironmentConfig(StrictModel):
     """One deployable environment: everything `cdk deploy -c env=NAME` needs."""
 
@@ -302,6 +325,7 @@ class EnvironmentConfig(StrictModel):
         description="experiment trackers the training job reports to besides TensorBoard and CloudWatch; the "
         "Trainium nodes get access to exactly the SageMaker MLflow server and the W&B key's secret named here",
     )
+    hub: HubConfig = HubConfig()
     tags: dict[Str, Str] = Field(default_factory=dict)
 
     @property
@@ -405,6 +429,8 @@ def validate(config: EnvironmentConfig) -> list[str]:
             "tracking.wandb.api_key_secret_arn: missing for online mode; allowed: the ARN of a Secrets Manager secret "
             "holding the W&B API key (the nodes have no other key), or tracking.wandb.mode offline"
         )
+    if config.hub.push_repo is not None and config.hub.write_token_secret_arn is None:
+        bad("hub.push_repo", config.hub.push_repo, "a repository with hub.write_token_secret_arn set, or no push_repo")
     return problems
 
 

@@ -144,9 +144,30 @@ def pipeline_acknowledgements(region: str) -> tuple[Acknowledgement, ...]:
     )
 
 
-def acknowledge_reviewed_findings(stack: Stack) -> None:
+# The per-queue policies (Cluster/QueuePolicy-<queue>, stacks/cluster.py): what the CPU stages' queue may do under
+# which prefix of the file system's part of the bucket (storage.fsx_s3_prefix).
+CPU_STAGES_OBJECT_ACCESS = {
+    "models/": "the fetch stage copies each base model it downloads to <fsx prefix>/models/<model>/, the prefix "
+    "the file system imports /fsx/models from, and reads back the copy's fetch-manifest.json; model names come "
+    "from the recipes, not known at deploy time",
+}
+
+
+def queue_acknowledgements(cpu_stages_queue: str, fsx_s3_prefix: str) -> tuple[Acknowledgement, ...]:
+    """The findings of the CPU stages' queue policy (stacks/training_environment.py: cpu_stages_queue)."""
+    return tuple(
+        Acknowledgement(f"Cluster/QueuePolicy-{cpu_stages_queue}", objects_under(f"{fsx_s3_prefix}/{folder}"), reason)
+        for folder, reason in CPU_STAGES_OBJECT_ACCESS.items()
+    )
+
+
+def acknowledge_reviewed_findings(stack: Stack, *, cpu_stages_queue: str, fsx_s3_prefix: str) -> None:
     """Attach each acknowledgement to the narrowest construct it concerns."""
-    for acknowledgement in (*ACKNOWLEDGEMENTS, *pipeline_acknowledgements(stack.region)):
+    for acknowledgement in (
+        *ACKNOWLEDGEMENTS,
+        *pipeline_acknowledgements(stack.region),
+        *queue_acknowledgements(cpu_stages_queue, fsx_s3_prefix),
+    ):
         construct = stack.node.find_child(acknowledgement.path.split("/")[0])
         for part in acknowledgement.path.split("/")[1:]:
             construct = construct.node.find_child(part)

@@ -42,7 +42,14 @@ class ClusterResources:
     compute_node_policy_arn: str
     bootstrap_script_url: str
     bootstrap_args: tuple[str, ...]
-    training_node_policy_arn: str | None = None  # the Trainium queue's alone (the training job's trackers)
+    # Queue name -> the ARN of the policy only that queue's nodes get (besides the compute node policy).
+    queue_policy_arns: Mapping[str, str] = field(default_factory=dict)
+
+
+def queue_policies(queue: str, resources: ClusterResources) -> list[dict[str, str]]:
+    """A queue's AdditionalIamPolicies: the compute nodes' policy, then the queue's own if it has one."""
+    own = resources.queue_policy_arns.get(queue)
+    return [{"Policy": resources.compute_node_policy_arn}, *([{"Policy": own}] if own else [])]
 
 
 def build_cluster_configuration(settings: ClusterSettings, resources: ClusterResources) -> dict[str, Any]:
@@ -91,12 +98,7 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
         "ComputeResources": [compute_resource],
         **({"Image": {"CustomAmi": compute.custom_ami}} if compute.custom_ami else {}),
         "CustomActions": bootstrap,
-        "Iam": {
-            "AdditionalIamPolicies": [
-                {"Policy": resources.compute_node_policy_arn},
-                *([{"Policy": resources.training_node_policy_arn}] if resources.training_node_policy_arn else []),
-            ]
-        },
+        "Iam": {"AdditionalIamPolicies": queue_policies(compute.queue_name, resources)},
         # Trainium jobs own whole nodes; sharing a node between jobs would split its NeuronCores.
         "JobExclusiveAllocation": True,
     }
@@ -160,7 +162,7 @@ def cpu_queues(cpu: CpuQueueConfig | None, resources: ClusterResources) -> list[
                 }
             ],
             "CustomActions": {"OnNodeConfigured": bootstrap},
-            "Iam": {"AdditionalIamPolicies": [{"Policy": resources.compute_node_policy_arn}]},
+            "Iam": {"AdditionalIamPolicies": queue_policies(cpu.queue_name, resources)},
             "JobExclusiveAllocation": True,
         }
     ]

@@ -21,6 +21,9 @@ PARALLELCLUSTER_SLURM_BIN = "/opt/slurm/bin"
 ENVS_FOLDER = "envs"
 NEURON_CACHE_FOLDER = "neuron-cache"
 EXECUTED_FOLDERS = (ENVS_FOLDER, "pipeline", NEURON_CACHE_FOLDER)
+# The folder of base models: the fetch stage downloads into it and copies to the bucket prefix the file system
+# imports it from (`<fsx_s3_prefix>/models/`), where a new environment finds them.
+MODELS_FOLDER = "models"
 
 
 def shared_env_path(config: EnvironmentConfig, neuron_release: str) -> str:
@@ -28,8 +31,11 @@ def shared_env_path(config: EnvironmentConfig, neuron_release: str) -> str:
     return f"{config.storage.mount_dir}/{ENVS_FOLDER}/neuron-{neuron_release}"
 
 
-def site_settings(config: EnvironmentConfig, *, neuron_release: str, results_uri: str) -> dict[str, Any]:
-    """The site file's content, built with the model `python -m training submit --site` loads it with."""
+def site_settings(
+    config: EnvironmentConfig, *, neuron_release: str, results_uri: str, file_system_uri: str
+) -> dict[str, Any]:
+    """The site file's content, built with the model `python -m training submit --site` loads it with.
+    `file_system_uri` is the bucket prefix the file system imports from (s3://bucket/<fsx_s3_prefix>)."""
     facts = COMPUTE_INSTANCE_TYPES[config.compute.instance_type]
     mount = config.storage.mount_dir
     site = Site(
@@ -52,5 +58,11 @@ def site_settings(config: EnvironmentConfig, *, neuron_release: str, results_uri
         region=config.region,
         metrics_namespace=namespace_of(config.name),
         tracking=config.tracking,
+        models_dir=f"{mount}/{MODELS_FOLDER}",
+        models_uri=f"{file_system_uri.rstrip('/')}/{MODELS_FOLDER}",
+        hub_token_secret_arn=config.hub.token_secret_arn,
+        hub_write_token_secret_arn=config.hub.write_token_secret_arn,
+        hub_push_repo=config.hub.push_repo,
+        hub_private=config.hub.private,
     )
     return site.model_dump(mode="json")

@@ -6,8 +6,11 @@ This is the only code that reads the whole environment; each construct gets only
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from aws_cdk import CfnOutput, Environment, Stack, Tags
 from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_iam as iam
 from constructs import Construct
 
 from stacks.budget import BudgetGuard
@@ -20,7 +23,7 @@ from stacks.network import Network
 from stacks.notifications import Notifications
 from stacks.pcluster_config import ClusterSettings
 from stacks.pipeline import SOURCE_PREFIX, SSM_OUTPUT_PREFIX, Pipeline, SharedEnvironment
-from stacks.pipeline_site import EXECUTED_FOLDERS, shared_env_path, site_settings
+from stacks.pipeline_site import EXECUTED_FOLDERS, MODELS_FOLDER, shared_env_path, site_settings
 from stacks.preflight import Preflight, preflight_checks
 from stacks.storage import Storage
 from stacks.tracking_access import tracking_access
@@ -60,6 +63,18 @@ def memory_plan_line(config: EnvironmentConfig) -> MemoryPlanLine | None:
     if planned is None:
         return None
     return MemoryPlanLine(config.pipeline.recipe, planned, hardware.hbm_gib_per_core)
+
+
+def cpu_stages_queue(config: EnvironmentConfig) -> str:
+    """The queue of the single-node stages (fetch, prepare, convert, sample, export): the CPU queue, else the
+    Trainium queue (the site file's cpu_partition falls back the same way)."""
+    return config.cpu_queue.queue_name if config.cpu_queue else config.compute.queue_name
+
+
+def hub_secret_access(config: EnvironmentConfig) -> list[iam.PolicyStatement]:
+    """Read exactly the environment's Hub token secrets (the fetch stage's read token, the export's write token)."""
+    arns = [arn for arn in (config.hub.token_secret_arn, config.hub.write_token_secret_arn) if arn]
+    return [iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"], resources=arns)] if arns else []
 
 
 def node_health(config: EnvironmentConfig) -> NodeHealth:
@@ -149,7 +164,7 @@ class TrainingEnvironmentStack(Stack):
             compute_node_access=self.storage.results_access(
                 read_prefixes=(NODE_FILES_PREFIX, f"{RESULTS_PREFIX}/"), write_prefixes=(f"{RESULTS_PREFIX}/",)
             ),
-            training_node_access=tracking_access(config.tracking),
+            queue_access=self._queue_access(config),
         )
 
         self.cluster.resource.node.add_dependency(self.preflight.resource)
@@ -184,7 +199,10 @@ class TrainingEnvironmentStack(Stack):
                 path=shared_env_path(config, neuron_release), neuron_release=neuron_release
             ),
             site_settings=site_settings(
-                config, neuron_release=neuron_release, results_uri=f"s3://{bucket.bucket_name}/{RESULTS_PREFIX}"
+                config,
+                neuron_release=neuron_release,
+                results_uri=f"s3://{bucket.bucket_name}/{RESULTS_PREFIX}",
+                file_system_uri=f"s3://{bucket.bucket_name}/{config.storage.fsx_s3_prefix}",
             ),
             log_retention_days=retention_days,
             bucket=bucket,
@@ -256,3 +274,17 @@ class TrainingEnvironmentStack(Stack):
             value=self.pipeline.run_status,
             description="submitted, no-run, submitted-earlier, or not-started: <why> (the environment is kept)",
         )
+
+    def _queue_access(self, config: EnvironmentConfig) -> dict[str, list[iam.PolicyStatement]]:
+        """What only one queue's nodes may do, by queue (each list becomes that queue's own policy). The CPU stages'
+        queue: the fetch stage's copy of base models to the bucket prefix the file system imports /fsx/models from,
+        and the Hub token secrets (fetch, export). Statements for another queue are added to its list; without a
+        CPU queue, the CPU stages' list is the Trainium queue's."""
+        access: dict[str, list[iam.PolicyStatement]] = defaultdict(list)
+        models = self.storage.bucket.arn_for_objects(f"{config.storage.fsx_s3_prefix}/{MODELS_FOLDER}/*")
+        access[cpu_stages_queue(config)] += [
+            iam.PolicyStatement(actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject"], resources=[models]),
+            *hub_secret_access(config),
+        ]
+        access[config.compute.queue_name] += tracking_access(config.tracking)  # the training job's trackers
+        return dict(access)

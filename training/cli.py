@@ -50,7 +50,8 @@ EXAMPLES = {  # one per subcommand, shown by --help; {prog} is `python -m traini
     "sample": "{prog} sample --recipe RUN_DIR/recipe.yaml --input RUN_DIR/hf --output RUN_DIR/samples.json",
     "evaluate": "{prog} evaluate --recipe RUN_DIR/recipe.yaml --input RUN_DIR/hf --base /fsx/models/Llama-3.1-8B "
     "--output RUN_DIR",
-    "export": "{prog} export --run-dir RUN_DIR --output s3://BUCKET/results/RUN_ID",
+    "fetch": "{prog} fetch --recipe RUN_DIR/recipe.yaml --token-secret-arn SECRET_ARN --copy-to s3://BUCKET/fsx/models/M",
+    "export": "{prog} export --run-dir RUN_DIR --output s3://BUCKET/results/RUN_ID --push-to-hub OWNER/NAME",
     "monitor cluster": "{prog} monitor cluster --site /fsx/pipeline/site-default.yaml --dry-run",
     "monitor neuron": "{prog} monitor neuron --site /fsx/pipeline/site-default.yaml",
 }
@@ -312,6 +313,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace a local export made from other files (S3: always replaced)"
     )
 
+    export.add_argument(
+        "--push-to-hub", metavar="OWNER/NAME", help="then push hf/ to this Hub repository (created private)"
+    )
+    export.add_argument(
+        "--hub-token-secret-arn", metavar="ARN", help="Secrets Manager secret holding the Hub write token for the push"
+    )
+    export.add_argument("--public", action="store_true", help="create the Hub repository public instead of private")
+    export.add_argument(
+        "--push-despite-gate", action="store_true", help="push although the run's evaluation gate failed"
+    )
+
+    fetch = _command(
+        commands,
+        "fetch",
+        "download the recipe's base model from the Hugging Face Hub (model.hub) into model.config, verified",
+        prog,
+        EXAMPLES["fetch"],
+    )
+    fetch.add_argument("--recipe", required=True, help="recipe with model.hub: " + recipe_help)
+    fetch.add_argument(
+        "--token-secret-arn", metavar="ARN", help="Secrets Manager secret holding the Hub token (gated models)"
+    )
+    fetch.add_argument("--copy-to", metavar="S3_URI", help="also upload the model there (s3://bucket/prefix)")
+    fetch.add_argument("--overwrite", action="store_true", help="replace an earlier fetch of another revision")
+
     monitor = commands.add_parser(
         "monitor",
         help="publish the cluster's metrics to CloudWatch (the site's metrics_namespace and region)",
@@ -429,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(arguments)
         if arguments.command == "evaluate":
             return _evaluate(arguments)
-        if arguments.command in ("submit", "status", "cancel", "sample", "export"):
+        if arguments.command in ("submit", "status", "cancel", "sample", "export", "fetch"):
             return _pipeline(arguments)
         if arguments.command == "monitor":
             return _monitor(arguments)
@@ -630,12 +656,46 @@ def _pipeline(arguments: argparse.Namespace) -> int:
     if arguments.command == "export":
         from training.pipeline.export import export
 
+        if arguments.push_to_hub is not None:
+            from training.pipeline.hub import check_hub_repo
+
+            check_hub_repo("--push-to-hub", arguments.push_to_hub)
         export(
             arguments.run_dir,
             arguments.output,
             with_checkpoints=arguments.with_checkpoints,
             overwrite=arguments.overwrite,
         )
+        if arguments.push_to_hub is not None:
+            from training.pipeline.hub import push_model, read_token
+
+            token = read_token(arguments.hub_token_secret_arn) if arguments.hub_token_secret_arn else None
+            push_model(
+                arguments.run_dir,
+                arguments.push_to_hub,
+                token=token,
+                private=not arguments.public,
+                despite_gate=arguments.push_despite_gate,
+            )
+        return 0
+    if arguments.command == "fetch":
+        from training.config.recipe import load_recipe
+        from training.pipeline.hub import fetch_model, read_token
+
+        recipe = load_recipe(arguments.recipe)
+        if recipe.model.hub is None:
+            raise UserError(f"--recipe {arguments.recipe}: no model.hub section (where to download the model from)")
+        if arguments.copy_to is not None and not arguments.copy_to.startswith("s3://"):
+            raise UserError(f"--copy-to {arguments.copy_to!r} is not allowed; allowed: s3://bucket/prefix")
+        token = read_token(arguments.token_secret_arn) if arguments.token_secret_arn else None
+        result = fetch_model(
+            recipe.model.hub,
+            Path(recipe.model.config),
+            token=token,
+            copy_to=arguments.copy_to,
+            overwrite=arguments.overwrite,
+        )
+        print(json.dumps({k: v for k, v in result.items() if k != "files"}, sort_keys=True))
         return 0
     from training.config.site import load_site
 

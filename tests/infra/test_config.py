@@ -87,7 +87,7 @@ RULES = {
         {"vpc": {"cidr": "10.0.0.0/16"}},
         "environments-under-test/candidate.yaml: vpc: unknown key; allowed keys here: region, availability_zone, "
         "cluster_name, os, network, head_node, compute, cpu_queue, storage, logging, monitoring, budget, pipeline, "
-        "neuron, tracking, tags",
+        "neuron, tracking, hub, tags",
     ),
     "pipeline recipe not bundled": (
         {"pipeline.recipe": "gpt-oss"},
@@ -389,6 +389,25 @@ RULES = {
         "environments-under-test/candidate.yaml: neuron.apt_key_fingerprint: '0123 4567 89AB CDEF 0123  4567 89AB "
         "CDEF 0123 4567' is not allowed; allowed: the key's fingerprint: 40 hexadecimal digits without spaces, as "
         "gpg prints it",
+    ),
+    "Hub token secret named without the suffix Secrets Manager appends (IAM would grant another ARN)": (
+        {"hub.token_secret_arn": "arn:aws:secretsmanager:us-west-2:123456789012:secret:hf-token"},
+        "environments-under-test/candidate.yaml: hub.token_secret_arn: "
+        "'arn:aws:secretsmanager:us-west-2:123456789012:secret:hf-token' is not allowed; allowed: a Secrets Manager "
+        "secret's complete ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-XXXXXX) (or omit it)",
+    ),
+    "Hub push without a write token": (
+        {"hub.push_repo": "acme/llama-cpt"},
+        "environments-under-test/candidate.yaml: hub.push_repo: 'acme/llama-cpt' is not allowed; allowed: a "
+        "repository with hub.write_token_secret_arn set, or no push_repo",
+    ),
+    "Hub push repository that is not owner/name": (
+        {
+            "hub.push_repo": "llama-cpt",
+            "hub.write_token_secret_arn": "arn:aws:secretsmanager:us-west-2:123456789012:secret:hf-write-AbCdEf",
+        },
+        "environments-under-test/candidate.yaml: hub.push_repo: 'llama-cpt' is not allowed; allowed: a Hub model "
+        "repository as owner/name, e.g. meta-llama/Llama-3.1-8B (or omit it)",
     ),
     "stop at a fractional percent": (
         {"budget.monthly_usd": 2500, "budget.stop_fleet_at_percent": 50.5},

@@ -301,7 +301,13 @@ def test_scheduling_scales_to_zero_and_drains_on_update(default_env: Synthesized
         {"Name": "r6a-8xlarge", "InstanceType": "r6a.8xlarge", "MinCount": 0, "MaxCount": 2}
     ]
     assert cpu["CustomActions"]["OnNodeConfigured"]["Args"][-2:] == ["--node-type", "cpu"]
-    assert cpu["Iam"] == queue["Iam"]
+    # Both queues get the compute nodes' policy; the CPU queue also its own (the Hub token secrets, the model copy).
+    assert (
+        cpu["Iam"]["AdditionalIamPolicies"][:1]
+        == queue["Iam"]["AdditionalIamPolicies"]
+        == [{"Policy": {"Ref": "ClusterComputeNodePolicy837CDCC1"}}]
+    )
+    assert cpu["Iam"]["AdditionalIamPolicies"][1:] == [{"Policy": {"Ref": "ClusterQueuePolicycpu7E0E695F"}}]
 
 
 def test_smoke_queue_has_no_efa_and_no_placement_group(smoke_env: Synthesized) -> None:

@@ -61,6 +61,11 @@ def policies(env: Synthesized) -> dict[str, dict[str, Any]]:
     return env.resources_of_type("AWS::IAM::ManagedPolicy")
 
 
+def trainium_queue_policy_prefix(env: Synthesized) -> str:
+    """The logical id of the policy only the Trainium queue's nodes get (the cluster's `QueuePolicy-<queue>`)."""
+    return f"ClusterQueuePolicy{env.config.compute.queue_name}"
+
+
 def statements_granting(env: Synthesized, *services: str) -> list[tuple[str, dict[str, Any]]]:
     found = []
     for name, resource in env.template["Resources"].items():
@@ -74,7 +79,7 @@ def statements_granting(env: Synthesized, *services: str) -> list[tuple[str, dic
 
 
 def test_the_trainium_nodes_alone_get_exactly_the_trackers_access(tracked: Synthesized) -> None:
-    (policy_name,) = [name for name in policies(tracked) if name.startswith("ClusterTrainingNodePolicy")]
+    (policy_name,) = [name for name in policies(tracked) if name.startswith(trainium_queue_policy_prefix(tracked))]
     assert statements_granting(tracked, "secretsmanager", "sagemaker-mlflow") == [
         (policy_name, {"Action": "secretsmanager:GetSecretValue", "Effect": "Allow", "Resource": SECRET_ARN}),
         (policy_name, {"Action": list(SAGEMAKER_MLFLOW_ACTIONS), "Effect": "Allow", "Resource": SERVER_ARN}),
@@ -99,7 +104,7 @@ def test_every_tracker_action_is_one_of_the_reference_on_the_servers_type(tracke
     checked = [
         grant
         for grant in grants(tracked.template, "tracked")
-        if grant.where.startswith("tracked:ClusterTrainingNodePolicy")
+        if grant.where.startswith(f"tracked:{trainium_queue_policy_prefix(tracked)}")
     ]
     assert len(checked) == 2
     assert [line for grant in checked for line in findings(grant)] == []
@@ -122,7 +127,7 @@ def test_adding_trackers_is_applied_while_jobs_run(default_env: Synthesized, tra
 
 
 def test_without_trackers_no_policy_and_no_access(default_env: Synthesized) -> None:
-    assert not [name for name in policies(default_env) if name.startswith("ClusterTrainingNodePolicy")]
+    assert not [name for name in policies(default_env) if name.startswith(trainium_queue_policy_prefix(default_env))]
     assert statements_granting(default_env, "secretsmanager", "sagemaker-mlflow") == []
     assert default_env.config.tracking.configured is False
 

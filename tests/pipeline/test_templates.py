@@ -27,7 +27,12 @@ CLUSTER_RECIPES = ("llama31-8b-cpt", "mixtral-8x7b-sft")
 def default_site() -> Site:
     config = load_environment("default", ROOT / "environments")
     release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
-    settings = site_settings(config, neuron_release=release, results_uri="s3://RESULTS-BUCKET/results")
+    settings = site_settings(
+        config,
+        neuron_release=release,
+        results_uri="s3://RESULTS-BUCKET/results",
+        file_system_uri="s3://RESULTS-BUCKET/fsx",
+    )
     settings["setup"] = tuple(settings["setup"])
     return Site(**settings)
 
@@ -39,7 +44,7 @@ def rendered(recipe: str, site: Site) -> dict[str, str]:
 @pytest.mark.parametrize("recipe", CLUSTER_RECIPES)
 def test_cluster_scripts_match_the_reviewed_snapshots(recipe: str) -> None:
     scripts = rendered(recipe, default_site())
-    stages = ["prepare", "convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
+    stages = ["fetch", "prepare", "convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
     assert list(scripts) == stages
     folder = SNAPSHOTS / recipe
     if os.environ.get("UPDATE_SNAPSHOTS"):

@@ -75,18 +75,19 @@ def resource_types(action: str) -> list[str]:
     return list(reference()[service]["Actions"][name].get("Resources", []))
 
 
-def _resource_entry(service: str, resource_type: str) -> Mapping[str, Any] | None:
-    """The reference's resource type, whose name an action may spell in another case (secretsmanager's actions
-    say `Secret`, its resource types `secret`; IAM's names are case-insensitive)."""
+def resource_entry(service: str, resource_type: str) -> Mapping[str, Any] | None:
+    """A resource type of the reference by name, case-insensitively: actions may spell a type otherwise than the
+    service's list of types does (Secrets Manager's actions say "Secret", its types "secret")."""
     resources = reference()[service]["Resources"]
-    wanted = resource_type.lower()
-    return next((entry for name, entry in resources.items() if name.lower() == wanted), None)
+    if resource_type in resources:
+        return dict(resources[resource_type])
+    same = [entry for name, entry in resources.items() if name.lower() == resource_type.lower()]
+    return dict(same[0]) if same else None
 
 
 def arn_pattern(service: str, resource_type: str) -> list[re.Pattern[str]]:
-    entry = _resource_entry(service, resource_type)
-    assert entry is not None, f"{service} has no resource type {resource_type}"
-    formats = entry["ARNFormats"]
+    entry = resource_entry(service, resource_type)
+    formats = entry["ARNFormats"] if entry else []
     return [re.compile(re.sub(r"\$\{[^}]+\}", "[^:]*", text)) for text in formats]
 
 
@@ -99,7 +100,7 @@ def matching_types(action: str, arn: str) -> set[str]:
     found = set()
     for resource_type in types:
         target_service = service
-        if _resource_entry(service, resource_type) is None:
+        if resource_entry(service, resource_type) is None:
             continue
         if any(pattern.fullmatch(arn) for pattern in arn_pattern(target_service, resource_type)):
             found.add(resource_type)

@@ -70,6 +70,7 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         "sample",
         "evaluate",
         "export",
+        "fetch",
         "monitor cluster",
         "monitor neuron",
     }
@@ -79,7 +80,7 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         assert "--input" in options(commands[name]), name  # the one path it reads
     for name in ("submit", "status", "cancel", "monitor cluster", "monitor neuron"):
         assert "--site" in options(commands[name]), name
-    for name in ("train", "plan", "submit", "sample", "evaluate"):
+    for name in ("train", "plan", "submit", "sample", "evaluate", "fetch"):
         assert "--recipe" in options(commands[name]), name
     assert "--run-dir" in options(commands["export"])
     retired = {"--out", "--env-file", "--model"}

@@ -38,8 +38,29 @@ def test_every_problem_is_one_line(tmp_path: Path) -> None:
         f"{path}: neuron: 'yes please' is not allowed; allowed: true or false",
         f"{path}: queue: unknown key; allowed keys here: name, runs_root, results, python, setup, slurm_bin, "
         "partition, cpu_partition, processes_per_node, instance_type, exclusive, neuron, efa, compile_cache, "
-        "max_restarts, time_minutes, region, metrics_namespace, tracking",
+        "max_restarts, time_minutes, region, metrics_namespace, tracking, models_dir, models_uri, "
+        "hub_token_secret_arn, hub_write_token_secret_arn, hub_push_repo, hub_private",
     ]
+
+
+def test_the_hub_settings_are_checked(tmp_path: Path) -> None:
+    """The site file names secrets by their complete ARN (the node policy grants exactly that ARN), never a token."""
+    path = tmp_path / "site.yaml"
+    path.write_text("hub_token_secret_arn: hf_0123456789abcdef\nhub_push_repo: no-owner\nmodels_uri: /fsx/models\n")
+    with pytest.raises(ConfigError) as raised:
+        load_site(path)
+    assert raised.value.problems == [
+        f"{path}: models_uri: '/fsx/models' is not allowed; allowed: an S3 URI such as s3://bucket/fsx/models "
+        "(or omit it)",
+        f"{path}: hub_token_secret_arn: 'hf_0123456789abcdef' is not allowed; allowed: a Secrets Manager secret's "
+        "complete ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-XXXXXX) (or omit it)",
+        f"{path}: hub_push_repo: 'no-owner' is not allowed; allowed: a Hub model repository as owner/name, e.g. "
+        "meta-llama/Llama-3.1-8B (or omit it)",
+    ]
+    arn = "arn:aws:secretsmanager:us-west-2:123456789012:secret:hf-read-AbC123"
+    path.write_text(f"hub_token_secret_arn: {arn}\nhub_push_repo: acme/cpt\nmodels_uri: s3://bucket/fsx/models\n")
+    site = load_site(path)
+    assert (site.hub_token_secret_arn, site.hub_push_repo, site.hub_private) == (arn, "acme/cpt", True)
 
 
 def test_the_region_and_the_metrics_namespace_are_checked(tmp_path: Path) -> None:

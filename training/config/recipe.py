@@ -77,8 +77,44 @@ CompilerFlag = Annotated[
 ]
 
 
+# The Hub's names: an owner and a repository, each of letters, digits, '-', '_' and '.' (96 at most).
+HUB_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$"
+HUB_REPO_ALLOWED = "a Hub model repository as owner/name, e.g. meta-llama/Llama-3.1-8B"
+HubRepo = Annotated[str, Strict(), Field(pattern=HUB_REPO_PATTERN), Allowed(HUB_REPO_ALLOWED)]
+HubRevision = Annotated[
+    str,
+    Strict(),
+    Field(pattern=r"^[0-9a-f]{40}$"),
+    Allowed("a commit id of the repository: 40 lowercase hexadecimal digits (a branch or tag can move)"),
+]
+HubPattern = Annotated[
+    str,
+    Strict(),
+    Field(pattern=r"^[^\x00-\x1f\x7f]{1,200}$"),
+    Allowed("a file name pattern of the repository (fnmatch: '*' also matches '/'), e.g. *.safetensors"),
+]
+
+
+class HubSource(StrictModel):
+    """Where the pipeline's fetch stage downloads `model.config` from: a Hub repository at one commit."""
+
+    repo: HubRepo
+    revision: HubRevision = Field(description="the commit to download, pinned so every run trains the same weights")
+    include: tuple[HubPattern, ...] = Field(
+        ("*.json", "*.safetensors", "tokenizer.model", "*.md", "LICENSE*"),
+        description="files of the repository to download: configuration, weights, tokenizer, model card, licence",
+    )
+    exclude: tuple[HubPattern, ...] = Field(
+        ("original/*", "consolidated*"),
+        description="files left out although `include` matches them (the original non-Hugging-Face checkpoints)",
+    )
+
+
 class ModelSection(StrictModel):
     config: Str = Field(description="Hugging Face model directory (config.json, tokenizer files)")
+    hub: HubSource | None = Field(
+        None, description="download model.config from the Hugging Face Hub (the fetch stage); omit if it exists"
+    )
     pretrained: Str | None = Field(None, description="`convert --to nxd` output; omit to start from random weights")
 
 

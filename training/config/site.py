@@ -12,6 +12,7 @@ from typing import Annotated
 from pydantic import Field, Strict
 
 from training.config.loading import Allowed, Bool, PositiveInt, Str, StrictModel, build, read_mapping
+from training.config.recipe import HubRepo
 from training.config.tracking import Tracking
 
 # Slurm reads `#SBATCH` lines itself (quotes group, `#` starts a comment, whitespace separates), so a value
@@ -29,6 +30,22 @@ FlagPath = Annotated[
     Strict(),
     Field(pattern=r"""^[^\s'"\\\x00-\x1f\x7f]+$"""),
     Allowed("a directory path without whitespace, quotes or backslashes (it is a flag in NEURON_CC_FLAGS)"),
+]
+# A Secrets Manager secret's complete ARN (with the six characters Secrets Manager appends to its name): the node
+# policy grants reading exactly this ARN.
+SecretArn = Annotated[
+    str,
+    Strict(),
+    Field(
+        pattern=r"^arn:aws[a-z-]*:secretsmanager:[a-z]{2}(-gov)?-[a-z]+-\d+:\d{12}:secret:[A-Za-z0-9/_+=.@-]+-[A-Za-z0-9]{6}$"
+    ),
+    Allowed("a Secrets Manager secret's complete ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-XXXXXX)"),
+]
+S3Uri = Annotated[
+    str,
+    Strict(),
+    Field(pattern=r"^s3://[^\s/]+(/\S*)?$"),
+    Allowed("an S3 URI such as s3://bucket/fsx/models"),
 ]
 # Slurm turns `--time` minutes into seconds in a signed 32-bit integer.
 MAX_TIME_MINUTES = (2**31 - 1) // 60
@@ -85,6 +102,22 @@ class Site(StrictModel):
     tracking: Tracking = Field(
         Tracking(), description="experiment trackers the training job also reports to (MLflow, Weights & Biases)"
     )
+    models_dir: Str | None = Field(
+        None,
+        description="directory of the shared file system whose files the storage imports from models_uri; a model "
+        "the fetch stage downloads under it is copied there too, so a new environment finds it without a download",
+    )
+    models_uri: S3Uri | None = Field(None, description="where models_dir's files live in S3 (the results bucket)")
+    hub_token_secret_arn: SecretArn | None = Field(
+        None, description="secret holding the Hugging Face token the fetch stage downloads with; omit for public models"
+    )
+    hub_write_token_secret_arn: SecretArn | None = Field(
+        None, description="secret holding the Hugging Face write token the export stage pushes with"
+    )
+    hub_push_repo: HubRepo | None = Field(
+        None, description="Hub repository the export stage pushes the trained model to; omit to push nothing"
+    )
+    hub_private: Bool = Field(True, description="create hub_push_repo as a private repository")
 
 
 def load_site(path: Path | None) -> Site:

@@ -1,5 +1,5 @@
-"""A run as one graph of Slurm jobs: prepare || convert -> compile -> train -> convert back -> evaluate || sample
--> export.
+"""A run as one graph of Slurm jobs: fetch -> prepare || convert -> compile -> train -> convert back -> evaluate
+|| sample -> export.
 
 `submit` renders one job script per stage from the recipe and the site settings (`assets/slurm/*.j2`),
 submits them with `afterok` dependencies (independent stages in parallel) and records the run in
@@ -67,8 +67,9 @@ class Stage:
 
 
 STAGES = (
-    Stage("prepare", ()),
-    Stage("convert-in", ()),
+    Stage("fetch", ()),  # the base model from the Hub (recipes with model.hub): prepare reads its tokenizer
+    Stage("prepare", ("fetch",)),
+    Stage("convert-in", ("fetch",)),
     Stage("compile", ("prepare", "convert-in"), distributed=True),
     Stage("train", ("compile",), distributed=True),
     Stage("convert-out", ("train",)),
@@ -162,6 +163,7 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
     settings = recipe_as_dict(recipe)
     settings["model"]["config"] = str(Path(recipe.model.config).absolute())
     skipped = {"prepare"} if recipe.prepare is None else set()
+    skipped |= {"fetch"} if recipe.model.hub is None else set()
     skipped |= {"convert-in"} if recipe.model.pretrained is None else set()
     skipped |= {"evaluate"} if recipe.evaluate is None else set()
     stages = [s for s in STAGES if s.name not in skipped]
@@ -233,6 +235,17 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
     shell-quoted: paths, sources and the interpreter come from the recipe and the site file."""
     q = shell_word
     python, run, settings = q(_python(plan.site)), plan.run_dir, plan.settings
+    if stage.name == "fetch":
+        from training.pipeline.hub import copy_destination
+
+        site = plan.site
+        arguments = [f"{python} -m training fetch --recipe {q(str(run / 'recipe.yaml'))}"]
+        if site.hub_token_secret_arn:  # the ARN only: the job reads the token itself, into memory
+            arguments.append(f"--token-secret-arn {q(site.hub_token_secret_arn)}")
+        copy_to = copy_destination(Path(settings["model"]["config"]), site.models_dir, site.models_uri)
+        if copy_to:
+            arguments.append(f"--copy-to {q(copy_to)}")
+        return " \\\n    ".join(arguments)
     if stage.name == "prepare":
         prepare = settings["prepare"]
         limit = "--max-documents" if prepare["kind"] == "pretrain" else "--max-examples"
@@ -295,7 +308,15 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
         )
     if stage.name == "export":
         results = f"{plan.site.results.rstrip('/')}/{plan.run_id}"
-        return f"{python} -m training export --run-dir {q(str(run))} --output {q(results)} --overwrite"
+        command = f"{python} -m training export --run-dir {q(str(run))} --output {q(results)} --overwrite"
+        site = plan.site
+        if site.hub_push_repo:
+            command += f" \\\n    --push-to-hub {q(site.hub_push_repo)}"
+            if site.hub_write_token_secret_arn:
+                command += f" --hub-token-secret-arn {q(site.hub_write_token_secret_arn)}"
+            if not site.hub_private:
+                command += " --public"
+        return command
     raise ValueError(f"{stage.name} is a distributed stage")
 
 
