@@ -149,7 +149,7 @@ def pipeline_acknowledgements(region: str) -> tuple[Acknowledgement, ...]:
 CPU_STAGES_OBJECT_ACCESS = {
     "models/": "the fetch stage copies each base model it downloads to <fsx prefix>/models/<model>/, the prefix "
     "the file system imports /fsx/models from, and reads back the copy's fetch-manifest.json; model names come "
-    "from the recipes, not known at deploy time",
+    "from the recipes this environment runs, not known at deploy time",
 }
 
 

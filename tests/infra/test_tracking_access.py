@@ -111,7 +111,9 @@ def test_every_tracker_action_is_one_of_the_reference_on_the_servers_type(tracke
 
 
 def test_the_site_file_carries_the_trackers_to_the_train_job(tracked: Synthesized) -> None:
-    site = Site.model_validate(site_settings(tracked.config, neuron_release="2.28.1", results_uri="s3://b/r"))
+    site = Site.model_validate(
+        site_settings(tracked.config, neuron_release="2.28.1", results_uri="s3://b/r", file_system_uri="s3://b/fsx")
+    )
     assert site.tracking == Tracking.model_validate(TRACKING)
     (pipeline,) = [r for r in tracked.template["Resources"].values() if "SiteSettings" in r.get("Properties", {})]
     assert SERVER_ARN in json.dumps(pipeline["Properties"]["SiteSettings"])

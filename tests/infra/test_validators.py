@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stacks.nag import ACKNOWLEDGEMENTS, Acknowledgement, pipeline_acknowledgements
+from stacks.nag import ACKNOWLEDGEMENTS, Acknowledgement, pipeline_acknowledgements, queue_acknowledgements
+from stacks.training_environment import cpu_stages_queue
 from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized
 
 CFN_LINT = str(Path(sys.executable).parent / "cfn-lint")
@@ -59,7 +60,11 @@ def test_every_acknowledgement_is_used_and_has_a_specific_reason(
         for violation in awssolutions_report(env)["suppressedViolations"]
         for construct in violation["violatingConstructs"]
     }
-    acknowledgements = (*ACKNOWLEDGEMENTS, *pipeline_acknowledgements(env.config.region))
+    acknowledgements = (
+        *ACKNOWLEDGEMENTS,
+        *pipeline_acknowledgements(env.config.region),
+        *queue_acknowledgements(cpu_stages_queue(env.config), env.config.storage.fsx_s3_prefix),
+    )
 
     def covers(ack: Acknowledgement, path: str, rule: str) -> bool:
         # An acknowledgement on a construct covers the findings of its children (a role and its policy).
