@@ -20,6 +20,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from tests.support.hub_standin import HubStandin, running_hub
+from tests.support.moto_server import moto_endpoint
 from training.config.site import Site
 from training.local.tiny import make_tiny_sources
 from training.pipeline import runs
@@ -33,13 +34,8 @@ BUCKET = "results-bucket"
 
 @pytest.fixture(scope="module")
 def aws_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_endpoint() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

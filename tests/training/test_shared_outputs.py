@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
+from tests.support.moto_server import moto_endpoint
 from tests.training.tiny_models import llama
 from training import outputs
 from training.cli import main
@@ -481,13 +482,8 @@ def test_a_killed_sample_leaves_the_earlier_file_and_its_rerun_the_uninterrupted
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_endpoint() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
