@@ -14,8 +14,9 @@ never an environment variable, an argument or a line of a log. The Hub's refusal
 licence, bad token, missing repository or revision) are one line naming the repository.
 
 The push creates the repository private unless told otherwise and commits the run's `hf/` directory as it is (the
-model card in it included); it refuses a run whose evaluation gate failed (`<run_dir>/evaluation.json`,
-`gate.passed` false) unless `--push-despite-gate`, and pushes a run without an evaluation with a warning.
+model card in it included); unless `--push-despite-gate` it refuses a run whose evaluation gate failed or whose
+recipe has an evaluate stage that wrote no report (training.pipeline.evaluate.publish_blocker), and pushes a run
+of a recipe without an evaluate stage with a warning.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from training.errors import UserError
 
 log = logging.getLogger(__name__)
 FETCH_MANIFEST = "fetch-manifest.json"
-EVALUATION = "evaluation.json"
 HASH_CHUNK = 8 << 20
 T = TypeVar("T")
 
@@ -358,14 +358,14 @@ def check_hub_repo(flag: str, value: str) -> None:
 def gate_refusal(run_dir: Path) -> str | None:
     """Why the run's model must not be published (training.pipeline.evaluate.publish_blocker: a failed gate, or an
     evaluate stage of its recipe that did not finish); None to push, with a warning when no evaluation ran."""
-    from training.pipeline.evaluate import publish_blocker
+    from training.pipeline.evaluate import EVALUATION_JSON, publish_blocker
 
     evaluated = _recipe_evaluates(run_dir)
     problem = publish_blocker(run_dir, evaluated=evaluated)
     if problem is not None:
         return f"run {run_dir.name} is not pushed: {problem}; pass --push-despite-gate to push anyway"
-    if not (run_dir / EVALUATION).is_file():
-        log.warning(f"{run_dir / EVALUATION}: no evaluation ran; pushing the model without a gate")
+    if not (run_dir / EVALUATION_JSON).is_file():
+        log.warning(f"{run_dir / EVALUATION_JSON}: no evaluation ran; pushing the model without a gate")
     return None
 
 
