@@ -19,9 +19,9 @@ from pydantic.json_schema import SkipJsonSchema
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES, CPU_INSTANCE_TYPES
 from training.config.loading import Allowed, Bool, ConfigError, Int, Str, StrictModel, build, check, read_mapping
 from training.config.recipe import HubRepo, bundled_recipes, load_recipe, resolve_recipe_path
-from training.config.site import SecretArn
 from training.config.tracking import Tracking
 from training.errors import UserError
+from training.secrets import SecretArn
 from training.train.memory import HARDWARE, refusal
 
 # Pinned once: the custom-resource provider template, the offline validator in the tests and the docs

@@ -90,8 +90,8 @@ def test_the_tracking_settings_are_checked(tmp_path: Path) -> None:
         f"{path}: tracking.mlflow.tracking_uri: 'http://mlflow host:5000' is not allowed; allowed: an MLflow tracking "
         "URI without whitespace or quotes: http(s)://host:port, file:///path, or a SageMaker MLflow tracking server "
         "ARN (arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME)",
-        f"{path}: tracking.wandb.api_key_secret_arn: 'wandb-key' is not allowed; allowed: a Secrets Manager secret "
-        "ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-SUFFIX) (or omit it)",
+        f"{path}: tracking.wandb.api_key_secret_arn: 'wandb-key' is not allowed; allowed: a Secrets Manager "
+        "secret's complete ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-XXXXXX) (or omit it)",
         f"{path}: tracking.wandb.mode: 'shared' is not allowed; allowed: online, offline",
     ]
     path.write_text("tracking:\n  mlflow:\n    tracking_uri: file:///fsx/mlruns\n")

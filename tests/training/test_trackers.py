@@ -321,7 +321,10 @@ def test_a_missing_secret_is_one_warning(
         summary = train(TrainOptions(recipe=recipe(world, tmp_path / "run" / "checkpoints")))
     assert summary["steps"] == 3
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert warning.startswith(f"W&B: could not start the run (the API key in {arn}: ResourceNotFoundException: ")
+    assert warning == (
+        f"W&B: could not start the run (W&B API key secret {arn}: ResourceNotFoundException; the node's role must "
+        "read it); training continues without W&B"
+    )
     assert not (tmp_path / "run" / "wandb").exists()
 
 

@@ -14,6 +14,7 @@ from pydantic import Field, Strict
 from training.config.loading import Allowed, Bool, PositiveInt, Str, StrictModel, build, read_mapping
 from training.config.recipe import HubRepo
 from training.config.tracking import Tracking
+from training.secrets import SecretArn
 
 # Slurm reads `#SBATCH` lines itself (quotes group, `#` starts a comment, whitespace separates), so a value
 # there cannot be shell-quoted: a partition is one or more plain names, comma-separated.
@@ -30,16 +31,6 @@ FlagPath = Annotated[
     Strict(),
     Field(pattern=r"""^[^\s'"\\\x00-\x1f\x7f]+$"""),
     Allowed("a directory path without whitespace, quotes or backslashes (it is a flag in NEURON_CC_FLAGS)"),
-]
-# A Secrets Manager secret's complete ARN (with the six characters Secrets Manager appends to its name): the node
-# policy grants reading exactly this ARN.
-SecretArn = Annotated[
-    str,
-    Strict(),
-    Field(
-        pattern=r"^arn:aws[a-z-]*:secretsmanager:[a-z]{2}(-gov)?-[a-z]+-\d+:\d{12}:secret:[A-Za-z0-9/_+=.@-]+-[A-Za-z0-9]{6}$"
-    ),
-    Allowed("a Secrets Manager secret's complete ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-XXXXXX)"),
 ]
 S3Uri = Annotated[
     str,

@@ -14,16 +14,13 @@ from typing import Annotated, Literal
 from pydantic import Field, Strict
 
 from training.config.loading import Allowed, Str, StrictModel
+from training.secrets import SecretArn
 
 TRACKING_VARIABLE = "TRAINING_TRACKING"  # what the train stage's job script exports
 # The tracking URI of a SageMaker managed MLflow tracking server: its ARN (the sagemaker-mlflow plugin's scheme).
 SAGEMAKER_MLFLOW_ARN = re.compile(
     r"^arn:(?P<partition>aws[a-z-]*):sagemaker:(?P<region>[a-z]{2}(-gov)?-[a-z]+-\d+):(?P<account>\d{12}):"
     r"mlflow-tracking-server/(?P<name>[A-Za-z0-9](-*[A-Za-z0-9]){0,255})$"
-)
-SECRET_ARN = re.compile(
-    r"^arn:(?P<partition>aws[a-z-]*):secretsmanager:(?P<region>[a-z]{2}(-gov)?-[a-z]+-\d+):(?P<account>\d{12}):"
-    r"secret:[A-Za-z0-9/_+=.@-]+$"
 )
 
 TrackingUri = Annotated[
@@ -34,12 +31,6 @@ TrackingUri = Annotated[
         "an MLflow tracking URI without whitespace or quotes: http(s)://host:port, file:///path, or a SageMaker "
         "MLflow tracking server ARN (arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME)"
     ),
-]
-SecretArn = Annotated[
-    str,
-    Strict(),
-    Field(pattern=SECRET_ARN.pattern),
-    Allowed("a Secrets Manager secret ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-SUFFIX)"),
 ]
 WandbName = Annotated[
     str,

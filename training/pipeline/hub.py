@@ -40,6 +40,7 @@ from training import outputs
 from training.config.loading import not_allowed
 from training.config.recipe import HUB_REPO_ALLOWED, HUB_REPO_PATTERN, HubSource
 from training.errors import UserError
+from training.secrets import read_secret
 
 log = logging.getLogger(__name__)
 FETCH_MANIFEST = "fetch-manifest.json"
@@ -51,27 +52,15 @@ T = TypeVar("T")
 
 
 def read_token(secret_arn: str) -> str:
-    """The token a Secrets Manager secret holds (its SecretString, plain or as JSON {"token": ...}), in the secret's
-    own region. The value is never logged; a failure names the secret, never its content."""
-    import boto3
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    region = secret_arn.split(":")[3] if secret_arn.count(":") >= 6 else None
-    try:
-        response = boto3.client("secretsmanager", region_name=region).get_secret_value(SecretId=secret_arn)
-    except ClientError as error:
-        code = error.response.get("Error", {}).get("Code", "error")
-        raise UserError(f"Hugging Face token secret {secret_arn}: {code}; the node's role must read it") from None
-    except BotoCoreError as error:
-        raise UserError(f"Hugging Face token secret {secret_arn}: {error}") from None
-    text = str(response.get("SecretString") or "").strip()
+    """The Hub token a Secrets Manager secret holds: its string, plain or as JSON {"token": ...}."""
+    text = read_secret(secret_arn, "Hugging Face token")
     if text.startswith("{"):
         try:
             text = str(json.loads(text).get("token") or "").strip()
         except (json.JSONDecodeError, AttributeError):
             text = ""
-    if not text:
-        raise UserError(f"Hugging Face token secret {secret_arn}: empty; store the token as the secret's string")
+        if not text:
+            raise UserError(f"Hugging Face token secret {secret_arn}: a JSON string without a token key")
     return text
 
 

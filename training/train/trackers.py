@@ -38,7 +38,6 @@ import yaml
 
 from training.config.loading import build
 from training.config.tracking import (
-    SECRET_ARN,
     TRACKING_VARIABLE,
     MlflowTracking,
     Tracking,
@@ -46,6 +45,7 @@ from training.config.tracking import (
     sagemaker_mlflow_arn,
 )
 from training.errors import UserError
+from training.secrets import read_secret
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,9 @@ class WandbSender(TrackerSender):
         api_key = None
         if self.settings.api_key_secret_arn:
             try:
-                api_key = read_secret(self.settings.api_key_secret_arn)
+                api_key = read_secret(self.settings.api_key_secret_arn, "W&B API key")
+            except UserError as error:  # one line naming the secret already
+                raise TrackerError(str(error)) from error
             except Exception as error:
                 raise TrackerError(f"the API key in {self.settings.api_key_secret_arn}: {describe(error)}") from error
         import wandb
@@ -361,21 +363,6 @@ class WandbSender(TrackerSender):
             self._run.log_artifact(artifact)
         finally:
             self._run.finish(exit_code=0 if completed else 1)
-
-
-def read_secret(arn: str) -> str:
-    """A Secrets Manager secret's text, from the secret's own region, with short timeouts."""
-    import boto3
-    from botocore.config import Config
-
-    match = SECRET_ARN.match(arn)
-    region = match["region"] if match else None
-    config = Config(connect_timeout=10, read_timeout=10, retries={"max_attempts": 3, "mode": "standard"})
-    value = boto3.client("secretsmanager", region_name=region, config=config).get_secret_value(SecretId=arn)
-    text = str(value.get("SecretString") or "").strip()
-    if not text:
-        raise ValueError(f"secret {arn} has no text value (allowed: the API key as plain text)")
-    return text
 
 
 def open_trackers(
