@@ -87,7 +87,9 @@ def test_a_first_run_fetches_its_model_trains_it_and_pushes_the_result(
     run_dir = Path(result["run_dir"])
     rows = runs.wait(run_dir, timeout=900)
     assert {row["stage"]: row["state"] for row in rows} == dict.fromkeys(
-        ["fetch", "prepare", "convert-in", "compile", "train", "convert-out", "sample", "export"], "COMPLETED"
+        ["fetch-tokenizer", "fetch", "prepare", "convert-in", "compile", "train", "convert-out", "evaluate"]
+        + ["sample", "export"],
+        "COMPLETED",
     ), rows
     fetched = models / "Tiny-Llama"
     manifest = json.loads((fetched / FETCH_MANIFEST).read_text())
@@ -108,6 +110,7 @@ def test_a_first_run_fetches_its_model_trains_it_and_pushes_the_result(
     before = [r for r in hub.requests if r.startswith(("GET", "HEAD")) and REPO in r]
     again = runs.submit("tiny-llama-cpt", overrides, run_id="second", site=site, dry_run=False)
     fetch_job, second = again["jobs"]["fetch"], Path(again["run_dir"])
+    assert "fetch-tokenizer" not in again["jobs"]  # prepare reads the model's own tokenizer
     deadline = time.monotonic() + 300
     while not (second / "state" / "fetch.done").exists() and time.monotonic() < deadline:
         time.sleep(1)

@@ -23,7 +23,7 @@ from training.config.recipe import HubSource, load_recipe
 from training.config.site import Site
 from training.errors import UserError
 from training.local.tiny import tiny_model, train_tokenizer
-from training.pipeline.hub import FETCH_MANIFEST, copy_destination, fetch_model, push_model
+from training.pipeline.hub import FETCH_MANIFEST, copy_destination, fetch_model, push_model, tokenizer_source
 from training.pipeline.runs import plan_run, render
 
 REPO = "meta-llama/Tiny-Llama"
@@ -282,7 +282,7 @@ def cluster_like_site(tmp_path: Path, **settings: Any) -> Site:
     return Site(runs_root=str(tmp_path / "runs"), results=f"s3://{BUCKET}/results", **settings)
 
 
-def test_fetch_leads_the_graph_and_prepare_and_convert_wait_for_it(tmp_path: Path, hub: HubStandin) -> None:
+def test_the_tokenizer_comes_first_and_prepare_runs_while_the_model_downloads(tmp_path: Path, hub: HubStandin) -> None:
     site = cluster_like_site(
         tmp_path,
         models_dir=str(tmp_path / "models"),
@@ -291,19 +291,49 @@ def test_fetch_leads_the_graph_and_prepare_and_convert_wait_for_it(tmp_path: Pat
     )
     plan = plan_run(load_recipe(str(recipe_file(tmp_path, hub))), site, "RUN")
     after = {stage.name: stage.after for stage in plan.stages}
-    assert list(after)[:3] == ["fetch", "prepare", "convert-in"]
-    assert after["fetch"] == () and after["prepare"] == ("fetch",) and after["convert-in"] == ("fetch",)
-    script = render(plan)["fetch"]
-    assert "-m training fetch --recipe " in script and str(tmp_path / "runs" / "RUN" / "recipe.yaml") in script
+    assert list(after)[:4] == ["fetch-tokenizer", "fetch", "prepare", "convert-in"]
+    assert after["fetch-tokenizer"] == () and after["fetch"] == ()
+    assert after["prepare"] == ("fetch-tokenizer",) and after["convert-in"] == ("fetch",)
+    assert "fetch" in after["compile"]  # the model's config.json, also when no weights are converted
+    run_dir = tmp_path / "runs" / "RUN"
+    assert plan.settings["prepare"]["tokenizer"] == str(run_dir / "tokenizer")
+    scripts = render(plan)
+    script = scripts["fetch"]
+    assert "-m training fetch --recipe " in script and str(run_dir / "recipe.yaml") in script
     assert "--token-secret-arn arn:aws:secretsmanager:us-west-2:123456789012:secret:hf-read-AbC123" in script
-    assert f"--copy-to s3://{BUCKET}/fsx/models/Tiny-Llama" in script
-    assert READ_TOKEN not in "".join(render(plan).values())
+    assert f"--copy-to s3://{BUCKET}/fsx/models/Tiny-Llama" in script and "--tokenizer-only" not in script
+    tokenizer_script = scripts["fetch-tokenizer"]
+    assert f"--tokenizer-only --output {run_dir / 'tokenizer'}" in tokenizer_script
+    assert "--token-secret-arn" in tokenizer_script and "--copy-to" not in tokenizer_script
+    assert f"--tokenizer {run_dir / 'tokenizer'}" in scripts["prepare"]
+    assert READ_TOKEN not in "".join(scripts.values())
+
+
+def test_the_tokenizer_only_fetch_downloads_no_weights(tmp_path: Path, hub: HubStandin) -> None:
+    recipe = load_recipe(str(recipe_file(tmp_path, hub)))
+    assert recipe.model.hub is not None
+    output = tmp_path / "run" / "tokenizer"
+    manifest = fetch_model(tokenizer_source(recipe.model.hub), output, token=READ_TOKEN)
+    assert manifest["files"] and not any(name.endswith(".safetensors") for name in manifest["files"])
+    assert (output / "tokenizer.json").is_file() and (output / "config.json").is_file()
+    assert sorted(p.name for p in output.glob("*.safetensors")) == []
+
+
+def test_a_model_fetched_already_needs_no_tokenizer_stage(tmp_path: Path, hub: HubStandin) -> None:
+    """A new environment whose file system imported the bucket's copy: prepare reads model.config at once."""
+    recipe = load_recipe(str(recipe_file(tmp_path, hub)))
+    assert recipe.model.hub is not None
+    fetch_model(recipe.model.hub, Path(recipe.model.config), token=READ_TOKEN)
+    plan = plan_run(recipe, cluster_like_site(tmp_path), "RUN")
+    names = [stage.name for stage in plan.stages]
+    assert "fetch-tokenizer" not in names and names[:2] == ["fetch", "prepare"]
+    assert plan.settings["prepare"]["tokenizer"] == str(Path(recipe.model.config).absolute())
 
 
 def test_a_recipe_without_a_hub_source_has_no_fetch_stage(tmp_path: Path) -> None:
     plan = plan_run(load_recipe("tiny-llama-cpt"), cluster_like_site(tmp_path), "RUN")
     assert [s.name for s in plan.stages][:2] == ["prepare", "convert-in"]
-    assert all(s.name != "fetch" for s in plan.stages)
+    assert all(not s.name.startswith("fetch") for s in plan.stages)
 
 
 def test_the_export_stage_pushes_with_the_site_settings(tmp_path: Path) -> None:

@@ -206,6 +206,16 @@ def complete_fetch(directory: Path, source: HubSource) -> dict[str, Any] | None:
     return manifest
 
 
+# What `prepare` needs of a base model (tokenizer, its configuration, the model's config.json): megabytes, fetched
+# first so data preparation runs while the weights download.
+TOKENIZER_FILES = ("*.json", "tokenizer.model")
+
+
+def tokenizer_source(source: HubSource) -> HubSource:
+    """The same repository and commit, its tokenizer and configuration files only (no weights)."""
+    return source.model_copy(update={"include": TOKENIZER_FILES})
+
+
 def fetch_model(
     source: HubSource,
     output: Path,

@@ -1,5 +1,5 @@
-"""A run as one graph of Slurm jobs: fetch -> prepare || convert -> compile -> train -> convert back -> evaluate
-|| sample -> export.
+"""A run as one graph of Slurm jobs: fetch the tokenizer -> prepare || fetch the model -> convert, then compile ->
+train -> convert back -> evaluate || sample -> export.
 
 `submit` renders one job script per stage from the recipe and the site settings (`assets/slurm/*.j2`),
 submits them with `afterok` dependencies (independent stages in parallel) and records the run in
@@ -39,6 +39,7 @@ from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.config.tracking import tracking_environment
 from training.errors import UserError
+from training.pipeline.hub import complete_fetch
 from training.train.batches import BatchPlan
 from training.train.memory import DEFAULT_HARDWARE, HARDWARE, Hardware, model_config, refusal
 from training.train.metrics import METRICS_FILE, read_metrics
@@ -47,6 +48,7 @@ TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().p
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
 RUN_ID = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z, unlike $, refuses a trailing newline
 RUN_ID_STAMP = "%Y%m%d-%H%M%S"
+TOKENIZER_DIR = "tokenizer"  # the fetch-tokenizer stage's output in the run directory
 # What Slurm's own parser of `#SBATCH` lines would split, unquote, end as a comment or expand (`%j` in a log
 # path): such a value cannot be quoted for the shell there, so it is refused instead.
 SBATCH_UNSAFE = re.compile(r"[\s'\"\\#%\x00-\x1f\x7f]")
@@ -67,10 +69,12 @@ class Stage:
 
 
 STAGES = (
-    Stage("fetch", ()),  # the base model from the Hub (recipes with model.hub): prepare reads its tokenizer
-    Stage("prepare", ("fetch",)),
+    # Recipes with model.hub: the tokenizer first (seconds; prepare reads it), the whole model beside prepare.
+    Stage("fetch-tokenizer", ()),
+    Stage("fetch", ()),
+    Stage("prepare", ("fetch-tokenizer",)),
     Stage("convert-in", ("fetch",)),
-    Stage("compile", ("prepare", "convert-in"), distributed=True),
+    Stage("compile", ("prepare", "convert-in", "fetch"), distributed=True),
     Stage("train", ("compile",), distributed=True),
     Stage("convert-out", ("train",)),
     Stage("evaluate", ("convert-out",)),
@@ -164,6 +168,15 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
     settings["model"]["config"] = str(Path(recipe.model.config).absolute())
     skipped = {"prepare"} if recipe.prepare is None else set()
     skipped |= {"fetch"} if recipe.model.hub is None else set()
+    # prepare reads the tokenizer the fetch-tokenizer stage downloads, unless the recipe names another one or the
+    # whole model is there already (a new environment importing the bucket's copy: nothing to download)
+    fetches_tokenizer = (
+        recipe.model.hub is not None
+        and recipe.prepare is not None
+        and not recipe.prepare.tokenizer
+        and complete_fetch(Path(recipe.model.config), recipe.model.hub) is None
+    )
+    skipped |= set() if fetches_tokenizer else {"fetch-tokenizer"}
     skipped |= {"convert-in"} if recipe.model.pretrained is None else set()
     skipped |= {"evaluate"} if recipe.evaluate is None else set()
     stages = [s for s in STAGES if s.name not in skipped]
@@ -181,7 +194,10 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
             settings["prepare"]["source"] = _absolute_if_local(recipe.prepare.source)
         for part in settings["prepare"]["sources"] or ():
             part["source"] = _absolute_if_local(part["source"])
-        settings["prepare"]["tokenizer"] = str(Path(recipe.prepare.tokenizer or recipe.model.config).absolute())
+        tokenizer = (
+            run_dir / TOKENIZER_DIR if fetches_tokenizer else Path(recipe.prepare.tokenizer or recipe.model.config)
+        )
+        settings["prepare"]["tokenizer"] = str(tokenizer.absolute())
     else:
         data_path = Path(recipe.data.path).absolute()
         if recipe.data.kind is not None and (data_path / outputs.MANIFEST).is_file():
@@ -235,15 +251,17 @@ def stage_command(plan: RunPlan, stage: Stage) -> str:
     shell-quoted: paths, sources and the interpreter come from the recipe and the site file."""
     q = shell_word
     python, run, settings = q(_python(plan.site)), plan.run_dir, plan.settings
-    if stage.name == "fetch":
+    if stage.name in ("fetch", "fetch-tokenizer"):
         from training.pipeline.hub import copy_destination
 
         site = plan.site
         arguments = [f"{python} -m training fetch --recipe {q(str(run / 'recipe.yaml'))}"]
+        if stage.name == "fetch-tokenizer":
+            arguments.append(f"--tokenizer-only --output {q(str(run / TOKENIZER_DIR))}")
         if site.hub_token_secret_arn:  # the ARN only: the job reads the token itself, into memory
             arguments.append(f"--token-secret-arn {q(site.hub_token_secret_arn)}")
         copy_to = copy_destination(Path(settings["model"]["config"]), site.models_dir, site.models_uri)
-        if copy_to:
+        if copy_to and stage.name == "fetch":
             arguments.append(f"--copy-to {q(copy_to)}")
         return " \\\n    ".join(arguments)
     if stage.name == "prepare":
