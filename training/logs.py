@@ -63,6 +63,9 @@ def setup_logging(*, training: bool = False, environ: Mapping[str, str] = os.env
     for previous in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
         root.removeHandler(previous)
     root.addHandler(handler)
+    # Other libraries at Python's default, WARNING, whatever ran before in the process set (an AWS Lambda handler
+    # sets the root to INFO): their INFO lines, such as every HTTP request of the Hub client, are not ours.
+    root.setLevel(logging.WARNING)
     log.setLevel(level)
     log.propagate = True
 
