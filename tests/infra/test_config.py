@@ -14,6 +14,7 @@ import yaml
 
 from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import ConfigError, EnvironmentConfig, load_environment
+from stacks.pipeline_site import site_settings
 from tests.conftest import ROOT
 from tests.infra.conftest import ENVIRONMENT_NAMES
 
@@ -69,6 +70,22 @@ def test_a_recipe_that_does_not_fit_is_refused_only_when_the_deploy_would_start_
     assert load_environment("idle", env_dir).pipeline.recipe == "mixtral-8x7b-sft"
 
 
+def test_a_run_above_the_budget_starts_when_the_environment_accepts_its_forecast(env_dir: Path) -> None:
+    """The override of rule "pipeline run forecast above the monthly budget": budget.accept_forecast_usd at
+    least the forecast; the site file the deploy writes carries the budget, the acceptance and the costs."""
+    long_run = {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000}
+    write_environment(env_dir, {**long_run, "budget.accept_forecast_usd": 41301})  # what the refusal names
+    config = load_environment("candidate", env_dir)
+    site = site_settings(config, neuron_release="2.28.1", results_uri="s3://b/results", file_system_uri="s3://b/fsx")
+    assert (site["budget_monthly_usd"], site["budget_accept_forecast_usd"]) == (1000, 41301)
+    assert site["node_usd_per_hour"] == pytest.approx(21.61, abs=0.01)  # trn1.32xlarge and its 1 TiB root volume
+    assert 0.5 < site["environment_usd_per_hour"] < 1.0  # head node, FSx, NAT, CloudWatch
+    write_environment(env_dir, {**long_run, "budget.monthly_usd": 50000})
+    assert load_environment("candidate", env_dir).budget.monthly_usd == 50000  # within the budget: no refusal
+    write_environment(env_dir, {"budget.monthly_usd": 1000, "pipeline.overrides": ["steps=10000"]})
+    assert load_environment("candidate", env_dir).pipeline.start_run is False  # no run started: nothing to refuse
+
+
 def test_smoke_environment_has_no_efa() -> None:
     config = load_environment("smoke", ENVIRONMENTS_DIR)
     assert (config.compute.instance_type, config.compute.efa, config.compute.max_count) == ("trn1.2xlarge", False, 1)
@@ -106,6 +123,11 @@ RULES = {
         "(-71% headroom, 10% required); cheapest fix: memory.flash_attention=true "
         "memory.activation_checkpointing=full precision=bf16-sr (13.28 GiB, 17% "
         "headroom) (python -m training plan --recipe mixtral-8x7b-sft)",
+    ),
+    "pipeline run forecast above the monthly budget": (
+        {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000},
+        "environments-under-test/candidate.yaml: forecast: llama31-8b-cpt costs about $41,301 (19.8 days on 4 x trn1.32xlarge), above budget.monthly_usd "
+        "1000; shorten steps, or set budget.accept_forecast_usd to at least 41301 to accept it",
     ),
     "pipeline override without =": (
         {"pipeline.overrides": ["steps"]},

@@ -151,15 +151,15 @@ def site_forecast(recipe: Recipe, site: Site) -> Forecast | None:
 
 
 def check_budget(recipe: Recipe, site: Site) -> None:
-    """Print the run's forecast; refuse, in one line, a run forecast above the site's monthly budget."""
+    """Refuse, in one line, a run forecast above the site's monthly budget; else print the forecast."""
     forecast = site_forecast(recipe, site)
     if forecast is None:
         return
-    print(forecast.describe(), file=sys.stderr)
     keys = ("site budget_monthly_usd", "the environment's budget.accept_forecast_usd (site budget_accept_forecast_usd)")
     problem = budget_refusal(forecast, site.budget_monthly_usd, site.budget_accept_forecast_usd, keys)
     if problem is not None:
         raise UserError(problem)
+    print(forecast.describe(), file=sys.stderr)
 
 
 def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
