@@ -126,8 +126,9 @@ RULES = {
     ),
     "pipeline run forecast above the monthly budget": (
         {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000},
-        "environments-under-test/candidate.yaml: forecast: llama31-8b-cpt costs about $41,301 (19.8 days on 4 x trn1.32xlarge), above budget.monthly_usd "
-        "1000; shorten steps, or set budget.accept_forecast_usd to at least 41301 to accept it",
+        "environments-under-test/candidate.yaml: forecast: llama31-8b-cpt costs about $41,301 (19.8 days on 4 x "
+        "trn1.32xlarge), above budget.monthly_usd 1000; shorten steps, or set budget.accept_forecast_usd to at "
+        "least 41301 to accept it",
     ),
     "pipeline override without =": (
         {"pipeline.overrides": ["steps"]},

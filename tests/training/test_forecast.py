@@ -72,7 +72,8 @@ def test_mixtral_is_derived_from_the_published_mfu_band() -> None:
     peak = mixtral_recipe.peak_tflops_per_worker
     mixtral_flops, llama_flops = flops_per_token(mixtral_config, 2048), flops_per_token(llama_config, 8192)
     t = forecast.throughput
-    for derived, published in zip((t.low, t.expected, t.high), (*PUBLISHED_RANGE[:1], 1.50, PUBLISHED_RANGE[1])):
+    published_figures = (PUBLISHED_RANGE[0], 1.50, PUBLISHED_RANGE[1])
+    for derived, published in zip((t.low, t.expected, t.high), published_figures, strict=True):
         assert mfu(derived, mixtral_flops, 2048, peak, 32) == pytest.approx(mfu(published, llama_flops, 8192, peak, 32))
     assert mfu(1.50, llama_flops, 8192, peak, 32) == pytest.approx(0.234, abs=0.001)
     assert t.expected == pytest.approx(4.36, abs=0.01)

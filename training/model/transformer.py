@@ -25,9 +25,9 @@ from torch import nn
 
 from training.config.model import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
 from training.errors import UserError
-from training.train.forecast import flops_per_token
 from training.formats.layouts import all_rules, hf_shapes
 from training.model import parallel
+from training.train.forecast import flops_per_token
 
 MoeDispatch = Literal["sparse", "dense", "capacity"]
 Checkpointing = Literal["none", "selective", "full"]
