@@ -23,6 +23,7 @@ from training.train.forecast import (
     budget_refusal,
     flops_per_token,
     forecast_of,
+    markdown_row,
     mfu,
 )
 from training.train.memory import DEFAULT_HARDWARE, HARDWARE, model_config
@@ -159,3 +160,21 @@ def test_the_forecast_is_torch_free() -> None:
     """`cdk synth` forecasts the deploy's run where torch may not be installed."""
     code = "import sys, training.train.forecast; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+README_ROWS = {
+    "`llama31-8b-cpt`, 4 x trn1.32xlarge": ("llama31-8b-cpt", []),
+    "`llama31-8b-cpt steps=10000` (as it stood)": ("llama31-8b-cpt", AS_IT_STOOD),
+    "`mixtral-8x7b-sft`, 2 x trn1.32xlarge": ("mixtral-8x7b-sft", []),
+}
+
+
+def test_the_readme_shows_the_bundled_recipes_forecasts() -> None:
+    """The README's forecast table: the default environment's cost while training, as `cdk synth` prints it."""
+    environment = load_environment("default", ROOT / "environments")
+    readme = (ROOT / "README.md").read_text()
+    for label, (name, overrides) in README_ROWS.items():
+        recipe = load_recipe(name, overrides)
+        forecast = forecast_of(recipe, DEFAULT_HARDWARE, run_usd_per_hour(environment, recipe.nodes), "environment")
+        assert forecast is not None
+        assert markdown_row(label, forecast) + "\n" in readme, markdown_row(label, forecast)

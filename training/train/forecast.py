@@ -187,6 +187,8 @@ def token_count(tokens: int) -> str:
 
 
 def duration(hours: float) -> str:
+    if hours < 1:
+        return f"{hours * 60:.0f} min"
     return f"{hours / HOURS_PER_DAY:.1f} days" if hours >= 48 else f"{hours:.1f} h"
 
 
@@ -246,4 +248,16 @@ def forecast_of(
         throughput=throughput,
         usd_per_hour=recipe.nodes * hardware.usd_per_hour if usd_per_hour is None else usd_per_hour,
         cost_basis=cost_basis if usd_per_hour is not None else NODES_ONLY,
+    )
+
+
+def markdown_row(label: str, forecast: Forecast) -> str:
+    """The forecast as a row of the README's table (a test keeps the README's rows equal to these)."""
+    t = forecast.throughput
+    kind = "published" if t.source == PUBLISHED_SOURCE else f"derived, {t.low:.2f}-{t.high:.2f}"
+    fast, slow = forecast.hours_at(t.high), forecast.hours_at(t.low)
+    return (
+        f"| {label} | {forecast.steps:,} x {forecast.global_batch} x {forecast.seq_len} "
+        f"| {token_count(forecast.tokens)} | {t.expected:.2f} ({kind}) | {forecast.step_seconds:.1f} s "
+        f"| {duration(forecast.hours)} ({duration(fast)}-{duration(slow)}) | about ${forecast.usd:,.0f} |"
     )
