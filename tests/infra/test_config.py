@@ -505,6 +505,24 @@ def test_app_rejects_bad_environment_without_traceback_or_output(tmp_path: Path)
     assert not any((tmp_path / "out").iterdir())
 
 
+def test_synth_refuses_a_run_forecast_above_the_budget_in_one_line(tmp_path: Path) -> None:
+    """`cdk synth` of an environment whose deploy would start the 10,000-step Llama run on a $1,000 budget."""
+    over = ENVIRONMENTS_DIR / "zz-over-budget-under-test.yaml"
+    changes = {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000}
+    write_environment(ENVIRONMENTS_DIR, changes, name=over.stem)
+    try:
+        result = run_app(over.stem, tmp_path / "out")
+    finally:
+        over.unlink()
+    assert result.returncode == 1
+    assert result.stderr == (
+        "error: environments/zz-over-budget-under-test.yaml: forecast: llama31-8b-cpt costs about $41,301 (19.8 "
+        "days on 4 x trn1.32xlarge), above budget.monthly_usd 1000; shorten steps, or set budget.accept_forecast_usd "
+        "to at least 41301 to accept it\n"
+    )
+    assert not any((tmp_path / "out").iterdir())
+
+
 def test_a_file_that_is_not_utf8_or_not_yaml_is_one_line(env_dir: Path) -> None:
     path = write_environment(env_dir, {})
     path.write_bytes(path.read_bytes() + "# caf\xe9\n".encode("latin-1"))
