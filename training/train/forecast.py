@@ -221,11 +221,12 @@ def forecast_of(
     recipe: Recipe,
     hardware: Hardware,
     usd_per_hour: float | None = None,
-    cost_basis: str = NODES_ONLY,
+    cost_basis: str = "the caller's cost per hour",
     config: dict[str, Any] | None = None,
 ) -> Forecast | None:
     """The recipe's forecast on `hardware`; None for the CPU backend or a model whose config.json is unknown.
-    `usd_per_hour`: the environment's cost while training (default: the nodes' list price x nodes)."""
+    `usd_per_hour`: the environment's cost while training, `cost_basis` what it includes (default: the nodes'
+    list price x nodes)."""
     if recipe.backend != "neuron":
         return None
     config = config or model_config(recipe)
