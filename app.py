@@ -6,6 +6,7 @@ import sys
 from aws_cdk import App
 
 from stacks.application import build_app, environment_from_context
+from stacks.cost import run_forecast
 from training.errors import UserError, decode_error, os_error, report
 
 app = App()
@@ -21,5 +22,8 @@ except OSError as error:
 except UnicodeDecodeError as error:
     report(decode_error(error))
     sys.exit(1)
+forecast = run_forecast(config)
+if forecast is not None:  # what the run this deploy starts will take, before anything bills
+    print(f"pipeline.recipe {config.pipeline.recipe}: {forecast.describe()}", file=sys.stderr)
 build_app(app, config)
 app.synth()

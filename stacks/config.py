@@ -18,10 +18,11 @@ from pydantic.json_schema import SkipJsonSchema
 
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES, CPU_INSTANCE_TYPES
 from training.config.loading import Allowed, Bool, ConfigError, Int, Str, StrictModel, build, check, read_mapping
-from training.config.recipe import HubRepo, bundled_recipes, load_recipe, resolve_recipe_path
+from training.config.recipe import HubRepo, Recipe, bundled_recipes, load_recipe, resolve_recipe_path
 from training.config.tracking import Tracking
 from training.errors import UserError
 from training.secrets import SecretArn
+from training.train.forecast import budget_refusal
 from training.train.memory import HARDWARE, refusal
 
 # Pinned once: the custom-resource provider template, the offline validator in the tests and the docs
@@ -239,6 +240,13 @@ class BudgetConfig(StrictModel):
     stop_fleet_at_percent: Annotated[
         int | None, Field(strict=True, ge=1, le=1000), Allowed("1 to 1000 (percent of monthly_usd), or null")
     ] = Field(100, description="stop the cluster's compute fleet when actual cost reaches this; null: notify only")
+    accept_forecast_usd: Annotated[
+        float | None, Field(strict=True, gt=0, le=10**9, allow_inf_nan=False), Allowed("a number of US dollars above 0")
+    ] = Field(
+        None,
+        description="a run forecast to cost more than monthly_usd starts only when it costs at most this (you know "
+        "what it costs); omit to refuse such runs",
+    )
 
 
 class PipelineConfig(StrictModel):
@@ -422,7 +430,7 @@ def validate(config: EnvironmentConfig) -> list[str]:
     for key, value in config.tags.items():
         if key.lower().startswith("aws:") or not 1 <= len(key) <= 128 or len(value) > 256:
             bad(f"tags.{key}", value, "keys of 1-128 characters not starting with 'aws:', values up to 256")
-    _validate_pipeline(config.pipeline, config.compute, bad)
+    _validate_pipeline(config, bad, problems.append)
     wandb = config.tracking.wandb
     if wandb is not None and wandb.mode == "online" and wandb.api_key_secret_arn is None:
         problems.append(
@@ -435,8 +443,9 @@ def validate(config: EnvironmentConfig) -> list[str]:
 
 
 def _validate_pipeline(
-    pipeline: PipelineConfig, compute: ComputeConfig, bad: typing.Callable[[str, Any, str], None]
+    config: EnvironmentConfig, bad: typing.Callable[[str, Any, str], None], refuse: typing.Callable[[str], None]
 ) -> None:
+    pipeline, compute = config.pipeline, config.compute
     bundled = [name for name in bundled_recipes() if not name.startswith("tiny-")]
     if pipeline.recipe not in bundled:
         bad("pipeline.recipe", pipeline.recipe, f"a bundled recipe ({', '.join(bundled)})")
@@ -464,6 +473,21 @@ def _validate_pipeline(
                 too_big = str(error)
             if too_big is not None:
                 bad("pipeline.recipe", pipeline.recipe, f"a recipe that fits: {too_big}")
+            over = _over_budget(config, recipe)
+            if over is not None:
+                refuse(over)
+
+
+def _over_budget(config: EnvironmentConfig, recipe: Recipe) -> str | None:
+    """The run the deploy would start, when its forecast costs more than budget.monthly_usd (one line)."""
+    if config.budget.monthly_usd is None:
+        return None
+    from stacks.cost import run_forecast  # stacks.cost reads this module's EnvironmentConfig
+
+    forecast = run_forecast(config, recipe)
+    if forecast is None:
+        return None
+    return budget_refusal(forecast, config.budget.monthly_usd, config.budget.accept_forecast_usd)
 
 
 def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, str], None]) -> None:

@@ -31,9 +31,12 @@ from stacks.instance_types import (
     ROUTE53_HOSTED_ZONE_USD_PER_MONTH,
 )
 from stacks.monitoring import ALARM_METRICS
+from training.config.recipe import Recipe, load_recipe
 from training.errors import UserError, report
 from training.monitoring.cluster import ALWAYS_SENT_JOB_STATES, NODE_STATES
 from training.monitoring.neuron import METRICS_PER_REPORT
+from training.train.forecast import Forecast, forecast_of
+from training.train.memory import HARDWARE
 from training.train.metrics import CLOUDWATCH_METRICS
 
 IDLE_TARGET_USD_PER_HOUR = 0.75  # what an environment left deployed but unused should cost at most
@@ -162,6 +165,40 @@ def render_table(config: EnvironmentConfig) -> str:
         f"| **{money(training)}** |"
     )
     return "\n".join(rows) + "\n"
+
+
+def training_node_usd_per_hour(config: EnvironmentConfig) -> float:
+    """One Trainium node while it trains: its list price and its root volume."""
+    compute = config.compute
+    return COMPUTE_INSTANCE_TYPES[compute.instance_type].usd_per_hour + volume_usd_per_hour(compute.root_volume_gib)
+
+
+def besides_training_nodes_usd_per_hour(config: EnvironmentConfig) -> float:
+    """The rest of the environment while training (head node, FSx, NAT, CloudWatch, ...): the training column
+    without its Trainium nodes. The CPU queue is idle while training; its stages before and after are not in."""
+    training = sum(line.training for line in cost_lines(config))
+    return training - config.compute.max_count * training_node_usd_per_hour(config)
+
+
+def run_usd_per_hour(config: EnvironmentConfig, nodes: int) -> float:
+    """What the environment costs while a run trains on `nodes` (a static node bills whether it trains or not)."""
+    billed = max(nodes, config.compute.node_counts[0])
+    return besides_training_nodes_usd_per_hour(config) + billed * training_node_usd_per_hour(config)
+
+
+def run_forecast(config: EnvironmentConfig, recipe: Recipe | None = None) -> Forecast | None:
+    """The forecast of the run the deploy starts (`pipeline.start_run`), at this environment's cost while it
+    trains; None when the deploy starts none or nothing can be forecast (an unknown model, the CPU backend)."""
+    hardware = HARDWARE.get(config.compute.instance_type)
+    if not config.pipeline.start_run or hardware is None:
+        return None
+    recipe = recipe or load_recipe(config.pipeline.recipe, config.pipeline.overrides)
+    return forecast_of(
+        recipe,
+        hardware,
+        run_usd_per_hour(config, recipe.nodes),
+        f"environment {config.name} while training: nodes, head node, FSx, NAT, CloudWatch",
+    )
 
 
 def idle_usd_per_hour(config: EnvironmentConfig) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from stacks.config import EnvironmentConfig
+from stacks.cost import besides_training_nodes_usd_per_hour, training_node_usd_per_hour
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES
 from training.config.site import Site
 from training.monitoring.cloudwatch import namespace_of
@@ -64,5 +65,9 @@ def site_settings(
         hub_write_token_secret_arn=config.hub.write_token_secret_arn,
         hub_push_repo=config.hub.push_repo,
         hub_private=config.hub.private,
+        node_usd_per_hour=round(training_node_usd_per_hour(config), 4),
+        environment_usd_per_hour=round(besides_training_nodes_usd_per_hour(config), 4),
+        budget_monthly_usd=config.budget.monthly_usd,
+        budget_accept_forecast_usd=config.budget.accept_forecast_usd,
     )
     return site.model_dump(mode="json")

@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = _command(
         commands,
         "plan",
-        "memory per NeuronCore of a recipe against the device's, and the cheapest fix when it does not fit",
+        "memory per NeuronCore of a recipe against the device's (and the cheapest fix when it does not fit); the run's "
+        "tokens, time and cost",
         prog,
         EXAMPLES["plan"],
     )
@@ -600,9 +601,16 @@ def _train(arguments: argparse.Namespace) -> int:
 
 def _plan(arguments: argparse.Namespace) -> int:
     from training.config.recipe import load_recipe
+    from training.train.forecast import forecast_of
     from training.train.memory import HARDWARE, report
 
-    data, text = report(load_recipe(arguments.recipe, arguments.overrides), HARDWARE[arguments.instance_type])
+    recipe = load_recipe(arguments.recipe, arguments.overrides)
+    hardware = HARDWARE[arguments.instance_type]
+    data, text = report(recipe, hardware)
+    forecast = forecast_of(recipe, hardware)
+    data["forecast"] = None if forecast is None else forecast.as_dict()
+    if forecast is not None:
+        text += "\n" + forecast.describe()
     print(json.dumps(data, indent=2) if arguments.json else text)
     return 0 if data["fits"] else 1
 

@@ -14,6 +14,7 @@ import yaml
 
 from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import ConfigError, EnvironmentConfig, load_environment
+from stacks.pipeline_site import site_settings
 from tests.conftest import ROOT
 from tests.infra.conftest import ENVIRONMENT_NAMES
 
@@ -69,6 +70,22 @@ def test_a_recipe_that_does_not_fit_is_refused_only_when_the_deploy_would_start_
     assert load_environment("idle", env_dir).pipeline.recipe == "mixtral-8x7b-sft"
 
 
+def test_a_run_above_the_budget_starts_when_the_environment_accepts_its_forecast(env_dir: Path) -> None:
+    """The override of rule "pipeline run forecast above the monthly budget": budget.accept_forecast_usd at
+    least the forecast; the site file the deploy writes carries the budget, the acceptance and the costs."""
+    long_run = {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000}
+    write_environment(env_dir, {**long_run, "budget.accept_forecast_usd": 41301})  # what the refusal names
+    config = load_environment("candidate", env_dir)
+    site = site_settings(config, neuron_release="2.28.1", results_uri="s3://b/results", file_system_uri="s3://b/fsx")
+    assert (site["budget_monthly_usd"], site["budget_accept_forecast_usd"]) == (1000, 41301)
+    assert site["node_usd_per_hour"] == pytest.approx(21.61, abs=0.01)  # trn1.32xlarge and its 1 TiB root volume
+    assert 0.5 < site["environment_usd_per_hour"] < 1.0  # head node, FSx, NAT, CloudWatch
+    write_environment(env_dir, {**long_run, "budget.monthly_usd": 50000})
+    assert load_environment("candidate", env_dir).budget.monthly_usd == 50000  # within the budget: no refusal
+    write_environment(env_dir, {"budget.monthly_usd": 1000, "pipeline.overrides": ["steps=10000"]})
+    assert load_environment("candidate", env_dir).pipeline.start_run is False  # no run started: nothing to refuse
+
+
 def test_smoke_environment_has_no_efa() -> None:
     config = load_environment("smoke", ENVIRONMENTS_DIR)
     assert (config.compute.instance_type, config.compute.efa, config.compute.max_count) == ("trn1.2xlarge", False, 1)
@@ -106,6 +123,12 @@ RULES = {
         "(-71% headroom, 10% required); cheapest fix: memory.flash_attention=true "
         "memory.activation_checkpointing=full precision=bf16-sr (13.28 GiB, 17% "
         "headroom) (python -m training plan --recipe mixtral-8x7b-sft)",
+    ),
+    "pipeline run forecast above the monthly budget": (
+        {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000},
+        "environments-under-test/candidate.yaml: forecast: llama31-8b-cpt costs about $41,301 (19.8 days on 4 x "
+        "trn1.32xlarge), above budget.monthly_usd 1000; shorten steps, or set budget.accept_forecast_usd to at "
+        "least 41301 to accept it",
     ),
     "pipeline override without =": (
         {"pipeline.overrides": ["steps"]},
@@ -479,6 +502,24 @@ def test_app_rejects_bad_environment_without_traceback_or_output(tmp_path: Path)
     )
     assert "Traceback" not in result.stderr
     # The CDK App creates its output directory when constructed; nothing may be written into it.
+    assert not any((tmp_path / "out").iterdir())
+
+
+def test_synth_refuses_a_run_forecast_above_the_budget_in_one_line(tmp_path: Path) -> None:
+    """`cdk synth` of an environment whose deploy would start the 10,000-step Llama run on a $1,000 budget."""
+    over = ENVIRONMENTS_DIR / "zz-over-budget-under-test.yaml"
+    changes = {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000}
+    write_environment(ENVIRONMENTS_DIR, changes, name=over.stem)
+    try:
+        result = run_app(over.stem, tmp_path / "out")
+    finally:
+        over.unlink()
+    assert result.returncode == 1
+    assert result.stderr == (
+        "error: environments/zz-over-budget-under-test.yaml: forecast: llama31-8b-cpt costs about $41,301 (19.8 "
+        "days on 4 x trn1.32xlarge), above budget.monthly_usd 1000; shorten steps, or set budget.accept_forecast_usd "
+        "to at least 41301 to accept it\n"
+    )
     assert not any((tmp_path / "out").iterdir())
 
 

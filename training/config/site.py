@@ -43,6 +43,9 @@ MAX_TIME_MINUTES = (2**31 - 1) // 60
 TimeMinutes = Annotated[
     int, Strict(), Field(ge=0, le=MAX_TIME_MINUTES), Allowed(f"0 (no limit) to {MAX_TIME_MINUTES} minutes")
 ]
+Usd = Annotated[
+    float, Strict(), Field(ge=0, le=10**9, allow_inf_nan=False), Allowed("a number of US dollars, 0 or more")
+]
 # Slurm counts a job's restarts in 16 bits: beyond that the count wraps and the requeues would never end.
 MAX_RESTARTS = 2**16 - 1
 Restarts = Annotated[int, Strict(), Field(ge=0, le=MAX_RESTARTS), Allowed(f"0 to {MAX_RESTARTS}")]
@@ -109,6 +112,20 @@ class Site(StrictModel):
         None, description="Hub repository the export stage pushes the trained model to; omit to push nothing"
     )
     hub_private: Bool = Field(True, description="create hub_push_repo as a private repository")
+    node_usd_per_hour: Usd | None = Field(
+        None,
+        description="one training node while it trains (list price and root volume), for the run's forecast; "
+        "omit: instance_type's list price",
+    )
+    environment_usd_per_hour: Usd | None = Field(
+        None, description="the rest of the environment while a run trains (head node, FSx, NAT, CloudWatch)"
+    )
+    budget_monthly_usd: Usd | None = Field(
+        None, description="`submit` refuses a run forecast to cost more (the environment's budget.monthly_usd)"
+    )
+    budget_accept_forecast_usd: Usd | None = Field(
+        None, description="a run above budget_monthly_usd is submitted when its forecast is at most this"
+    )
 
 
 def load_site(path: Path | None) -> Site:

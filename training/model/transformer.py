@@ -27,6 +27,7 @@ from training.config.model import ModelSpec, Parallelism, check_parallelism, def
 from training.errors import UserError
 from training.formats.layouts import all_rules, hf_shapes
 from training.model import parallel
+from training.train.forecast import flops_per_token
 
 MoeDispatch = Literal["sparse", "dense", "capacity"]
 Checkpointing = Literal["none", "selective", "full"]
@@ -847,20 +848,7 @@ def initialize_weights(model: CausalLM, seed: int) -> None:
 
 
 def model_flops_per_token(config: dict[str, Any], seq_len: int) -> float:
-    """Training FLOPs per token for MFU: 6 * N_active + 12 * L * (heads * head_dim) * seq_len.
-
-    N_active counts the weights a token multiplies by: attention (q, k, v, o), the MLP (Mixtral: the router
-    and top-k of the E experts) and the LM head; not the embedding lookup or norms. The second term is
-    the attention scores and weighted sum (2 matmuls, 2 FLOPs per multiply-add, x3 for forward + backward)
-    over the full sequence, the causal half not discounted (the PaLM convention).
-    """
-    model_config = ModelConfig.from_hf(config)
-    spec = model_config.spec
-    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    attention = h * d * (2 * spec.num_heads + 2 * spec.num_kv_heads)
-    if spec.architecture == "mixtral":
-        mlp = h * spec.num_experts + model_config.experts_per_token * 3 * h * i
-    else:
-        mlp = 3 * h * i
-    active = spec.num_layers * (attention + mlp) + spec.vocab_size * h
-    return float(6 * active + 12 * spec.num_layers * spec.num_heads * d * seq_len)
+    """Training FLOPs per token for MFU, of a config the model accepts (`training.train.forecast.flops_per_token`:
+    the same count forecasts the run's time before it starts)."""
+    ModelConfig.from_hf(config)
+    return flops_per_token(config, seq_len)

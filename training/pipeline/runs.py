@@ -41,6 +41,7 @@ from training.config.tracking import tracking_environment
 from training.errors import UserError
 from training.pipeline.hub import complete_fetch
 from training.train.batches import BatchPlan
+from training.train.forecast import Forecast, budget_refusal, forecast_of
 from training.train.memory import DEFAULT_HARDWARE, HARDWARE, Hardware, model_config, refusal
 from training.train.metrics import METRICS_FILE, read_metrics
 
@@ -134,6 +135,31 @@ def check_memory(recipe: Recipe, site: Site) -> None:
     problem = refusal(recipe, hardware, config)
     if problem is not None:
         raise UserError(problem)
+
+
+def site_forecast(recipe: Recipe, site: Site) -> Forecast | None:
+    """The run's forecast at the site's cost while training (its nodes' list price when the site has none);
+    None for the local demo (no instance type), the CPU backend or an unknown model."""
+    hardware = site_hardware(site)
+    if hardware is None:
+        return None
+    if site.node_usd_per_hour is None:
+        return forecast_of(recipe, hardware)
+    usd = recipe.nodes * site.node_usd_per_hour + (site.environment_usd_per_hour or 0.0)
+    basis = "the site's training nodes" + (" and the rest of the environment" if site.environment_usd_per_hour else "")
+    return forecast_of(recipe, hardware, usd, basis)
+
+
+def check_budget(recipe: Recipe, site: Site) -> None:
+    """Refuse, in one line, a run forecast above the site's monthly budget; else print the forecast."""
+    forecast = site_forecast(recipe, site)
+    if forecast is None:
+        return
+    keys = ("site budget_monthly_usd", "the environment's budget.accept_forecast_usd (site budget_accept_forecast_usd)")
+    problem = budget_refusal(forecast, site.budget_monthly_usd, site.budget_accept_forecast_usd, keys)
+    if problem is not None:
+        raise UserError(problem)
+    print(forecast.describe(), file=sys.stderr)
 
 
 def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
@@ -483,6 +509,7 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
     recipe = load_recipe(recipe_file, overrides)
     check_launch(recipe, site)
     check_memory(recipe, site)
+    check_budget(recipe, site)
     plan = plan_run(recipe, site, run_id)
     scripts = render(plan)
     if dry_run:

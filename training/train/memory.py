@@ -43,13 +43,14 @@ class Hardware:
     cores_per_node: int  # training processes per node (one per NeuronCore)
     hbm_gib_per_core: float
     vcpus: int  # what ParallelCluster gives the Slurm node (EC2's DefaultVCpus): the jobs' --cpus-per-task
+    usd_per_hour: float  # on-demand list price, us-west-2 (stacks/instance_types.py's, which a test keeps equal)
 
 
 # Trainium1: 16 chips x 2 NeuronCore-v2, 32 GiB HBM a chip (trn1.2xlarge: one chip).
 HARDWARE: dict[str, Hardware] = {
-    "trn1.32xlarge": Hardware("trn1.32xlarge", 32, 16.0, vcpus=128),
-    "trn1n.32xlarge": Hardware("trn1n.32xlarge", 32, 16.0, vcpus=128),
-    "trn1.2xlarge": Hardware("trn1.2xlarge", 2, 16.0, vcpus=8),
+    "trn1.32xlarge": Hardware("trn1.32xlarge", 32, 16.0, vcpus=128, usd_per_hour=21.50),
+    "trn1n.32xlarge": Hardware("trn1n.32xlarge", 32, 16.0, vcpus=128, usd_per_hour=24.78),
+    "trn1.2xlarge": Hardware("trn1.2xlarge", 2, 16.0, vcpus=8, usd_per_hour=1.34375),
 }
 DEFAULT_HARDWARE = HARDWARE["trn1.32xlarge"]
 

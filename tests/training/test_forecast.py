@@ -1,0 +1,180 @@
+"""The run's forecast (training/train/forecast.py): the arithmetic against the figures it comes from, the
+derived Mixtral band, the budget's refusal and its override at `submit`, and the `plan` output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stacks.config import load_environment
+from stacks.cost import run_usd_per_hour
+from stacks.instance_types import COMPUTE_INSTANCE_TYPES
+from tests.conftest import ROOT
+from training.cli import main
+from training.config.recipe import load_recipe
+from training.model.transformer import model_flops_per_token
+from training.train.forecast import (
+    PUBLISHED_RANGE,
+    PUBLISHED_SEQ_PER_NODE,
+    budget_refusal,
+    flops_per_token,
+    forecast_of,
+    markdown_row,
+    mfu,
+)
+from training.train.memory import DEFAULT_HARDWARE, HARDWARE, model_config
+
+# The issue's figures for the Llama recipe as it stood: 10,000 steps x 1,024 x 8,192 on 4 x trn1.32xlarge.
+AS_IT_STOOD = ["steps=10000"]
+
+
+def test_the_llama_recipe_as_it_stood_is_84_billion_tokens_20_days_and_41_thousand_dollars() -> None:
+    recipe = load_recipe("llama31-8b-cpt", AS_IT_STOOD)
+    nodes_only = forecast_of(recipe, DEFAULT_HARDWARE)
+    assert nodes_only is not None
+    assert nodes_only.tokens == 10_000 * 1024 * 8192 == 83_886_080_000
+    assert nodes_only.throughput.expected == PUBLISHED_SEQ_PER_NODE == 1.50
+    assert nodes_only.step_seconds == pytest.approx(1024 / 6.0)  # 1.50 seq/s x 4 nodes
+    assert nodes_only.hours == pytest.approx(10_000 * 1024 / 6.0 / 3600)  # 474.1 h
+    assert 19.5 < nodes_only.hours / 24 < 20.1
+    assert nodes_only.usd == pytest.approx(nodes_only.hours * 4 * 21.50)  # $40,770
+    environment = load_environment("default", ROOT / "environments")
+    whole = forecast_of(recipe, DEFAULT_HARDWARE, run_usd_per_hour(environment, 4), "environment")
+    assert whole is not None and 41_000 < whole.usd < 41_500  # head node, FSx, NAT, CloudWatch on top
+    band = whole.as_dict()
+    assert band["seq_per_second_per_node_band"] == list(PUBLISHED_RANGE)
+    assert band["hours_band"][0] < band["hours"] < band["hours_band"][1]
+
+
+def test_the_bundled_recipes_are_short_demonstrations() -> None:
+    """The lengths the recipes state: Llama 200 steps (1.68 B tokens, about 9.5 h, about $830 in the default
+    environment), Mixtral 300 steps (19.7 M tokens, under half an hour)."""
+    environment = load_environment("default", ROOT / "environments")
+    llama = load_recipe("llama31-8b-cpt")
+    forecast = forecast_of(llama, DEFAULT_HARDWARE, run_usd_per_hour(environment, llama.nodes), "environment")
+    assert forecast is not None and forecast.tokens == 200 * 1024 * 8192
+    assert 9.4 < forecast.hours < 9.6 and 800 < forecast.usd < 850
+    mixtral = forecast_of(load_recipe("mixtral-8x7b-sft"), DEFAULT_HARDWARE)
+    assert mixtral is not None and mixtral.tokens == 300 * 32 * 2048 and mixtral.hours < 0.5
+
+
+def test_mixtral_is_derived_from_the_published_mfu_band() -> None:
+    """Nothing is published for Mixtral on Trainium: its band is the sequences/s at which it reaches the MFU
+    that Llama's published 1.31, 1.50 and 1.67 sequences/s per node reach, from each model's FLOPs per token."""
+    mixtral_recipe, llama_recipe = load_recipe("mixtral-8x7b-sft"), load_recipe("llama31-8b-cpt")
+    mixtral_config, llama_config = model_config(mixtral_recipe), model_config(llama_recipe)
+    assert mixtral_config is not None and llama_config is not None
+    forecast = forecast_of(mixtral_recipe, DEFAULT_HARDWARE)
+    assert forecast is not None
+    peak = mixtral_recipe.peak_tflops_per_worker
+    mixtral_flops, llama_flops = flops_per_token(mixtral_config, 2048), flops_per_token(llama_config, 8192)
+    t = forecast.throughput
+    published_figures = (PUBLISHED_RANGE[0], 1.50, PUBLISHED_RANGE[1])
+    for derived, published in zip((t.low, t.expected, t.high), published_figures, strict=True):
+        assert mfu(derived, mixtral_flops, 2048, peak, 32) == pytest.approx(mfu(published, llama_flops, 8192, peak, 32))
+    assert mfu(1.50, llama_flops, 8192, peak, 32) == pytest.approx(0.234, abs=0.001)
+    assert t.expected == pytest.approx(4.36, abs=0.01)
+    assert t.source.startswith("derived, nothing published for Mixtral-8x7B-v0.1 at sequence 2048")
+
+
+def test_the_forecast_counts_the_flops_the_training_job_reports_mfu_with() -> None:
+    for name, seq_len in (("llama31-8b-cpt", 8192), ("mixtral-8x7b-sft", 2048)):
+        config = model_config(load_recipe(name))
+        assert config is not None
+        assert flops_per_token(config, seq_len) == model_flops_per_token(config, seq_len)
+    llama = model_config(load_recipe("llama31-8b-cpt"))
+    assert llama is not None and flops_per_token(llama, 8192) / 1e9 == pytest.approx(57.91, abs=0.01)
+
+
+def test_the_planners_prices_are_the_instance_tables() -> None:
+    for name, hardware in HARDWARE.items():
+        assert hardware.usd_per_hour == COMPUTE_INSTANCE_TYPES[name].usd_per_hour, name
+
+
+def test_budget_refusal_is_one_line_naming_both_numbers_and_the_override() -> None:
+    forecast = forecast_of(load_recipe("llama31-8b-cpt", AS_IT_STOOD), DEFAULT_HARDWARE)
+    assert forecast is not None
+    assert budget_refusal(forecast, None, None) is None
+    assert budget_refusal(forecast, 50_000, None) is None
+    assert budget_refusal(forecast, 1000, 40_000) is not None  # accepted less than it costs
+    problem = budget_refusal(forecast, 1000, None)
+    assert problem == (
+        "forecast: llama31-8b-cpt costs about $40,770 (19.8 days on 4 x trn1.32xlarge), above budget.monthly_usd "
+        "1000; shorten steps, or set budget.accept_forecast_usd to at least 40771 to accept it"
+    )
+    assert budget_refusal(forecast, 1000, 40_771) is None  # the amount the line names is enough
+
+
+def cluster_site(tmp_path: Path, **budget: float) -> Path:
+    site = {"runs_root": str(tmp_path / "runs"), "neuron": True, "instance_type": "trn1.32xlarge", **budget}
+    path = tmp_path / "site.yaml"
+    path.write_text(json.dumps(site))
+    return path
+
+
+def test_submit_refuses_a_run_above_the_sites_budget_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    site = cluster_site(tmp_path, node_usd_per_hour=21.6, environment_usd_per_hour=0.7, budget_monthly_usd=500)
+    assert main(["submit", "--recipe", "llama31-8b-cpt", "--dry-run", "--run-id", "r", "--site", str(site)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "error: forecast: llama31-8b-cpt costs about $826 (9.5 h on 4 x trn1.32xlarge), above site "
+        "budget_monthly_usd 500; shorten steps, or set the environment's budget.accept_forecast_usd (site "
+        "budget_accept_forecast_usd) to at least 826 to accept it\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_submit_runs_what_the_budget_accepts_and_prints_its_forecast(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    site = cluster_site(tmp_path, budget_monthly_usd=500, budget_accept_forecast_usd=900)
+    assert main(["submit", "--recipe", "llama31-8b-cpt", "--dry-run", "--run-id", "r", "--site", str(site)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("forecast: 200 steps x 1024 x 8192 = 1.7 B tokens; at 1.50 seq/s per node")
+    assert "about $815" in err and "(the training nodes' on-demand list price only)" in err
+    assert "throughput: Neuron's published table, SDK 2.24" in err
+
+
+def test_plan_prints_the_forecast(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--recipe", "llama31-8b-cpt", "steps=10000"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("forecast: 10,000 steps x 1024 x 8192 = 83.9 B tokens; at 1.50 seq/s per node")
+    assert "19.8 days" in lines[-2] and "about $40,770" in lines[-2]
+    assert lines[-1].startswith("throughput: Neuron's published table, SDK 2.24")
+    assert main(["plan", "--recipe", "mixtral-8x7b-sft", "--json"]) == 0
+    forecast = json.loads(capsys.readouterr().out)["forecast"]
+    assert forecast["tokens"] == 300 * 32 * 2048 and forecast["steps"] == 300
+    assert forecast["throughput_source"].startswith("derived")
+    assert forecast["usd_band"][0] < forecast["usd"] < forecast["usd_band"][1]
+    low, high = forecast["seq_per_second_per_node_band"]
+    assert low < forecast["seq_per_second_per_node"] < high
+
+
+def test_the_forecast_is_torch_free() -> None:
+    """`cdk synth` forecasts the deploy's run where torch may not be installed."""
+    code = "import sys, training.train.forecast; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+README_ROWS = {
+    "`llama31-8b-cpt`, 4 x trn1.32xlarge": ("llama31-8b-cpt", []),
+    "`llama31-8b-cpt steps=10000` (as it stood)": ("llama31-8b-cpt", AS_IT_STOOD),
+    "`mixtral-8x7b-sft`, 2 x trn1.32xlarge": ("mixtral-8x7b-sft", []),
+}
+
+
+def test_the_readme_shows_the_bundled_recipes_forecasts() -> None:
+    """The README's forecast table: the default environment's cost while training, as `cdk synth` prints it."""
+    environment = load_environment("default", ROOT / "environments")
+    readme = (ROOT / "README.md").read_text()
+    for label, (name, overrides) in README_ROWS.items():
+        recipe = load_recipe(name, overrides)
+        forecast = forecast_of(recipe, DEFAULT_HARDWARE, run_usd_per_hour(environment, recipe.nodes), "environment")
+        assert forecast is not None
+        assert markdown_row(label, forecast) + "\n" in readme, markdown_row(label, forecast)
