@@ -38,6 +38,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 # What a forward pass and the Python process need beyond the weights (activations of a batch, the harness).
 MEMORY_HEADROOM_BYTES = 8 * 2**30
+# The CPU queue's nodes run the shared Neuron environment, which has torch-xla: accelerate (under lm-eval's HFLM)
+# would import it and take an XLA device for the models. The evaluation is a CPU job; set before the harness is
+# imported (accelerate, transformers and torch read it once, at import).
+os.environ["USE_TORCH_XLA"] = "0"
 
 
 @dataclass(frozen=True)
