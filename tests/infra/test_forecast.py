@@ -1,4 +1,5 @@
-"""The run's forecast (training/train/forecast.py): the arithmetic against the figures it comes from, the
+"""The run's forecast (training/train/forecast.py) with the environment's costs (stacks/cost.py, so here and not in
+tests/training, which the neuron tier reruns without the CDK): the arithmetic against the figures it comes from, the
 derived Mixtral band, the budget's refusal and its override at `submit`, and the `plan` output."""
 
 from __future__ import annotations
