@@ -413,6 +413,23 @@ def test_legacy_and_compressed_files_raise_checkpoint_error_instead_of_wrong_dat
 # ---- xser ------------------------------------------------------------------------------------------------
 
 
+class _RefuseTorchXla:
+    """A meta path finder under which `import torch_xla` fails: what these tests read must not need it."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "torch_xla" or name.startswith("torch_xla."):
+            raise ImportError(f"{name} imported while reading a checkpoint")
+
+
+@pytest.fixture(autouse=True)
+def without_torch_xla(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts without torch_xla in sys.modules, whatever earlier tests of the process imported (in the
+    neuron tier, accelerate imports it with transformers), and cannot import it; restored afterwards."""
+    for name in [n for n in sys.modules if n == "torch_xla" or n.startswith("torch_xla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_RefuseTorchXla(), *sys.meta_path])
+
+
 def fake_torch_xla(monkeypatch: pytest.MonkeyPatch) -> type:
     """A module tree standing in for torch_xla in tests only; its TensorReference is torch_xla's class."""
 
