@@ -18,7 +18,10 @@ def build_app(app: App, config: EnvironmentConfig) -> TrainingEnvironmentStack:
     """Add the environment's stack and the cdk-nag AwsSolutions checks with their reviewed acknowledgements."""
     stack = TrainingEnvironmentStack(app, config=config)
     acknowledge_reviewed_findings(
-        stack, cpu_stages_queue=cpu_stages_queue(config), fsx_s3_prefix=config.storage.fsx_s3_prefix
+        stack,
+        cpu_stages_queue=cpu_stages_queue(config),
+        fsx_s3_prefix=config.storage.fsx_s3_prefix,
+        trainium_queue=config.compute.queue_name,
     )
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     return stack

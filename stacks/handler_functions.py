@@ -25,6 +25,7 @@ def handler_function(
     log_retention_days: int,
     timeout: Duration,
     environment: Mapping[str, str] | None = None,
+    function_name: str | None = None,
 ) -> lambda_.Function:
     """`handler.handler` of `handler_dir` on the Lambda Python runtime, logging to a log group of its own that
     `role` may write (instead of the broad basic-execution policy)."""
@@ -42,6 +43,7 @@ def handler_function(
         memory_size=128,
         log_group=logs,
         environment=dict(environment) if environment else None,
+        function_name=function_name,
     )
     # CDK writes both `DependsOn` and `Fn::GetAtt` to the role (harmless, not ours to change): this function
     # alone ignores only that cfn-lint rule, as stacks/pipeline.py does for its functions.

@@ -161,12 +161,41 @@ def queue_acknowledgements(cpu_stages_queue: str, fsx_s3_prefix: str) -> tuple[A
     )
 
 
-def acknowledge_reviewed_findings(stack: Stack, *, cpu_stages_queue: str, fsx_s3_prefix: str) -> None:
+# The compile cache in the bucket (stacks/compile_cache.py): who may do what under which of its prefixes.
+COMPILE_CACHE_ACCESS = {
+    "CompileCache/PromoterRole": {
+        "compile-cache/staging/": "the promoter reads the compile caches the Trainium nodes staged, under "
+        "staging/<key>/<run id>/ (keys and run ids are not known at deploy time)",
+        "compile-cache/promoted/": "the promoter writes the promoted compile cache of each key under "
+        "promoted/<key>/ and removes the files an earlier promotion of that key left; it is the only principal "
+        "the bucket policy lets write there",
+    },
+    "Cluster/QueuePolicy-{trainium_queue}": {
+        "compile-cache/staging/": "the compile stage uploads what it compiled under staging/<key>/<run id>/ "
+        "(PutObject only: no read, no delete; keys are per graph settings and run)",
+        "compile-cache/promoted/": "the compile stage reads the promoted compile cache of its key (GetObject "
+        "only: the bucket policy denies every principal but the promoter writing there)",
+    },
+}
+
+
+def compile_cache_acknowledgements(trainium_queue: str) -> tuple[Acknowledgement, ...]:
+    return tuple(
+        Acknowledgement(path.format(trainium_queue=trainium_queue), objects_under(prefix), reason)
+        for path, prefixes in COMPILE_CACHE_ACCESS.items()
+        for prefix, reason in prefixes.items()
+    )
+
+
+def acknowledge_reviewed_findings(
+    stack: Stack, *, cpu_stages_queue: str, fsx_s3_prefix: str, trainium_queue: str
+) -> None:
     """Attach each acknowledgement to the narrowest construct it concerns."""
     for acknowledgement in (
         *ACKNOWLEDGEMENTS,
         *pipeline_acknowledgements(stack.region),
         *queue_acknowledgements(cpu_stages_queue, fsx_s3_prefix),
+        *compile_cache_acknowledgements(trainium_queue),
     ):
         construct = stack.node.find_child(acknowledgement.path.split("/")[0])
         for part in acknowledgement.path.split("/")[1:]:

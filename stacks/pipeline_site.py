@@ -33,10 +33,17 @@ def shared_env_path(config: EnvironmentConfig, neuron_release: str) -> str:
 
 
 def site_settings(
-    config: EnvironmentConfig, *, neuron_release: str, results_uri: str, file_system_uri: str
+    config: EnvironmentConfig,
+    *,
+    neuron_release: str,
+    results_uri: str,
+    file_system_uri: str,
+    compile_cache_store: str | None = None,
+    compile_cache_promoter: str | None = None,
 ) -> dict[str, Any]:
     """The site file's content, built with the model `python -m training submit --site` loads it with.
-    `file_system_uri` is the bucket prefix the file system imports from (s3://bucket/<fsx_s3_prefix>)."""
+    `file_system_uri` is the bucket prefix the file system imports from (s3://bucket/<fsx_s3_prefix>);
+    `compile_cache_store` where the compile cache outlives the environment, promoted by `compile_cache_promoter`."""
     facts = COMPUTE_INSTANCE_TYPES[config.compute.instance_type]
     mount = config.storage.mount_dir
     site = Site(
@@ -54,6 +61,8 @@ def site_settings(
         neuron=True,
         efa=config.compute.efa,
         compile_cache=f"{mount}/{NEURON_CACHE_FOLDER}",
+        compile_cache_store=compile_cache_store,
+        compile_cache_promoter=compile_cache_promoter,
         max_restarts=3,
         time_minutes=0,
         region=config.region,

@@ -14,6 +14,7 @@ from aws_cdk import aws_iam as iam
 from constructs import Construct
 
 from stacks.budget import BudgetGuard
+from stacks.compile_cache import CompileCache, promoter_name
 from stacks.cluster import NODE_FILES_PREFIX, Cluster, NodeHealth, bootstrap_neuron_release
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES
@@ -135,6 +136,15 @@ class TrainingEnvironmentStack(Stack):
             if isinstance(construct, ec2.CfnNatGateway | ec2.CfnEIP):
                 construct.node.add_dependency(self.preflight.resource)
         self.storage.file_system.node.add_dependency(self.preflight.resource)
+        # The compile cache kept in the bucket: nodes stage, only its promoter's role promotes.
+        self.compile_cache = CompileCache(
+            self,
+            "CompileCache",
+            bucket=self.storage.bucket,
+            function_name=promoter_name(config.stack_name),
+            log_retention_days=retention_days,
+        )
+        self.storage.bucket.add_lifecycle_rule(**CompileCache.lifecycle_rule_settings())
         neuron_release = bootstrap_neuron_release()
         # One log group for the stack's one BucketDeployment handler (the code and the node files).
         deployment_logs = log_group_with_retention(self, "DeploymentLogs", retention_days)
@@ -203,6 +213,8 @@ class TrainingEnvironmentStack(Stack):
                 neuron_release=neuron_release,
                 results_uri=f"s3://{bucket.bucket_name}/{RESULTS_PREFIX}",
                 file_system_uri=f"s3://{bucket.bucket_name}/{config.storage.fsx_s3_prefix}",
+                compile_cache_store=self.compile_cache.store_uri,
+                compile_cache_promoter=promoter_name(config.stack_name),
             ),
             log_retention_days=retention_days,
             bucket=bucket,
@@ -279,7 +291,8 @@ class TrainingEnvironmentStack(Stack):
         """What only one queue's nodes may do, by queue (each list becomes that queue's own policy). The CPU stages'
         queue: the fetch stage's copy of base models to the bucket prefix the file system imports /fsx/models from,
         and the Hub token secrets (fetch, export). Statements for another queue are added to its list; without a
-        CPU queue, the CPU stages' list is the Trainium queue's."""
+        CPU queue, the CPU stages' list is the Trainium queue's. The Trainium queue: the training job's trackers, and
+        the compile stage's cache in the bucket (stage it, read the promoted one, ask for its promotion)."""
         access: dict[str, list[iam.PolicyStatement]] = defaultdict(list)
         models = self.storage.bucket.arn_for_objects(f"{config.storage.fsx_s3_prefix}/{MODELS_FOLDER}/*")
         access[cpu_stages_queue(config)] += [
@@ -287,4 +300,5 @@ class TrainingEnvironmentStack(Stack):
             *hub_secret_access(config),
         ]
         access[config.compute.queue_name] += tracking_access(config.tracking)  # the training job's trackers
+        access[config.compute.queue_name] += self.compile_cache.node_access()  # the compile stage's cache
         return dict(access)

@@ -52,6 +52,7 @@ EXAMPLES = {  # one per subcommand, shown by --help; {prog} is `python -m traini
     "--output RUN_DIR",
     "fetch": "{prog} fetch --recipe RUN_DIR/recipe.yaml --token-secret-arn SECRET_ARN --copy-to s3://BUCKET/fsx/models/M",
     "export": "{prog} export --run-dir RUN_DIR --output s3://BUCKET/results/RUN_ID --push-to-hub OWNER/NAME",
+    "compile-cache restore": "{prog} compile-cache restore --run-dir /fsx/runs/llama31-8b-cpt-20250601-120000",
     "monitor cluster": "{prog} monitor cluster --site /fsx/pipeline/site-default.yaml --dry-run",
     "monitor neuron": "{prog} monitor neuron --site /fsx/pipeline/site-default.yaml",
 }
@@ -325,6 +326,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--push-despite-gate", action="store_true", help="push although the run's evaluation gate failed"
     )
 
+    compile_cache = commands.add_parser(
+        "compile-cache",
+        help="keep the Neuron compile cache in the results bucket (the compile stage's first and last commands)",
+        description="keep the Neuron compile cache in the results bucket, by a key of what decides the graphs",
+        epilog="examples:\n" + "\n".join(f"  {EXAMPLES[k].format(prog=prog)}" for k in ("compile-cache restore",)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, text in (
+        ("restore", "before compiling: the promoted cache of the run's key into the site's compile_cache, verified"),
+        ("save", "after compiling: the cache's finished entries to staging, then promoted by the deployment"),
+    ):
+        command = _command(compile_cache, action, text, prog, EXAMPLES["compile-cache restore"].replace("restore", action))
+        command.add_argument("--run-dir", required=True, type=Path, help="run directory (<runs_root>/<run-id>)")
+
     fetch = _command(
         commands,
         "fetch",
@@ -466,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _pipeline(arguments)
         if arguments.command == "monitor":
             return _monitor(arguments)
+        if arguments.command == "compile-cache":
+            return _compile_cache(arguments)
         manifest = _run(arguments)
     except UserError as error:
         report(error)
@@ -656,6 +674,14 @@ def _monitor(arguments: argparse.Namespace) -> int:
     from training.monitoring.neuron import monitor_neuron
 
     return monitor_neuron(site, namespace, dry_run=arguments.dry_run, executable=arguments.neuron_monitor)
+
+
+def _compile_cache(arguments: argparse.Namespace) -> int:
+    from training.pipeline import compile_cache
+
+    action = compile_cache.save if arguments.action == "save" else compile_cache.restore
+    print(json.dumps(action(arguments.run_dir), sort_keys=True))
+    return 0
 
 
 def _pipeline(arguments: argparse.Namespace) -> int:

@@ -38,6 +38,13 @@ S3Uri = Annotated[
     Field(pattern=r"^s3://[^\s/]+(/\S*)?$"),
     Allowed("an S3 URI such as s3://bucket/fsx/models"),
 ]
+# A Lambda function's name or ARN (Lambda's FunctionName: up to 64 of letters, digits, '-' and '_' for a name).
+LambdaFunction = Annotated[
+    str,
+    Strict(),
+    Field(pattern=r"^(arn:aws[a-z-]*:lambda:[a-z0-9-]+:\d{12}:function:)?[A-Za-z0-9_-]{1,64}$"),
+    Allowed("a Lambda function name or ARN"),
+]
 # Slurm turns `--time` minutes into seconds in a signed 32-bit integer.
 MAX_TIME_MINUTES = (2**31 - 1) // 60
 TimeMinutes = Annotated[
@@ -82,6 +89,15 @@ class Site(StrictModel):
     neuron: Bool = Field(False, description="Neuron environment variables and neuron_parallel_compile")
     efa: Bool = False
     compile_cache: FlagPath = "/fsx/neuron-cache"
+    compile_cache_store: S3Uri | None = Field(
+        None,
+        description="where the compile cache outlives the environment (s3://bucket/compile-cache): the compile "
+        "stage restores the promoted entry of its key before compiling and stages what it compiled after; omit to "
+        "keep the cache on the file system only (training.pipeline.compile_cache)",
+    )
+    compile_cache_promoter: LambdaFunction | None = Field(
+        None, description="the deployment's function that promotes a staged compile cache (its name or ARN)"
+    )
     max_restarts: Restarts = Field(3, description="requeues of a failed training job before it fails for good")
     time_minutes: TimeMinutes = Field(0, description="per-job time limit; 0: none")
     region: Annotated[

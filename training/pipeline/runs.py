@@ -438,6 +438,8 @@ def render(plan: RunPlan) -> dict[str, str]:
                 else "",
                 "retry_failed_compilation": recipe.neuron.retry_failed_compilation,
                 "train_arguments": "--compile" if stage.name == "compile" else "--resume",
+                # The Neuron compile cache kept in the results bucket (training.pipeline.compile_cache).
+                "compile_cache_store": site.compile_cache_store if stage.name == "compile" and site.neuron else None,
                 "max_restarts": site.max_restarts,
                 "precision": recipe.precision,
                 "precision_environment": NEURON_ENVIRONMENT[recipe.precision],
