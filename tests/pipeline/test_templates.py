@@ -32,6 +32,8 @@ def default_site() -> Site:
         neuron_release=release,
         results_uri="s3://RESULTS-BUCKET/results",
         file_system_uri="s3://RESULTS-BUCKET/fsx",
+        compile_cache_store="s3://RESULTS-BUCKET/compile-cache",
+        compile_cache_promoter="trainium-default-cache-promoter",
     )
     settings["setup"] = tuple(settings["setup"])
     return Site(**settings)
@@ -149,3 +151,26 @@ def test_the_prepare_job_renders_each_source_with_its_options_quoted(tmp_path: P
         "1.0",
     ]
     assert words.count("--source") == 2
+
+
+def test_the_compile_stage_restores_the_kept_cache_first_and_stages_what_it_compiled_last() -> None:
+    scripts = rendered("llama31-8b-cpt", default_site())
+    compile_script = scripts["compile"]
+    restore = "/fsx/envs/neuron-2.28.1/bin/python -m training compile-cache restore --run-dir /fsx/runs/RUN-ID \\\n"
+    save = "/fsx/envs/neuron-2.28.1/bin/python -m training compile-cache save --run-dir /fsx/runs/RUN-ID \\\n"
+    # Restore before the compiler runs, save only once it succeeded (after the exit on failure), done after both.
+    order = [
+        compile_script.index(restore),
+        compile_script.index("bin/neuron_parallel_compile --retry_failed_compilation"),
+        compile_script.index('if [ "${status}" -ne 0 ]; then exit "${status}"; fi\n'),
+        compile_script.index(save),
+        compile_script.index("state/compile.done"),
+    ]
+    assert order == sorted(order)
+    # Neither stops the compile stage: a cold compile is slower, never wrong.
+    assert "|| echo \"$(date -u +%FT%TZ) warning: compile cache not restored; the compile starts cold\"" in compile_script
+    for stage, text in scripts.items():
+        assert ("compile-cache" in text) == (stage == "compile"), stage
+    local = rendered("llama31-8b-cpt", default_site().model_copy(update={"compile_cache_store": None}))
+    assert "compile-cache" not in local["compile"]
+    assert "compile-cache" not in rendered("tiny-llama-cpt", Site())["compile"]  # no Neuron, no cache to keep
