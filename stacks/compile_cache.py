@@ -75,6 +75,9 @@ class CompileCache(Construct):
             environment={"BUCKET": bucket.bucket_name, "PREFIX": COMPILE_CACHE_PREFIX},
             function_name=function_name,
         )
+        bucket.add_lifecycle_rule(
+            id="ExpireStagedCompileCaches", prefix=STAGING, expiration=Duration.days(STAGING_DAYS)
+        )
         bucket.add_to_resource_policy(
             iam.PolicyStatement(
                 sid="OnlyThePromoterWritesPromotedCompileCaches",
@@ -97,9 +100,3 @@ class CompileCache(Construct):
             iam.PolicyStatement(actions=["s3:GetObject"], resources=[self.bucket.arn_for_objects(f"{PROMOTED}*")]),
             iam.PolicyStatement(actions=["lambda:InvokeFunction"], resources=[self.function.function_arn]),
         ]
-
-    @staticmethod
-    def lifecycle_rule_settings() -> dict[str, object]:
-        """The bucket's rule that expires staged copies (Bucket.add_lifecycle_rule's arguments)."""
-        return {"id": "ExpireStagedCompileCaches", "prefix": STAGING, "expiration": Duration.days(STAGING_DAYS)}
-

@@ -164,17 +164,17 @@ def queue_acknowledgements(cpu_stages_queue: str, fsx_s3_prefix: str) -> tuple[A
 # The compile cache in the bucket (stacks/compile_cache.py): who may do what under which of its prefixes.
 COMPILE_CACHE_ACCESS = {
     "CompileCache/PromoterRole": {
-        "compile-cache/staging/": "the promoter reads the compile caches the Trainium nodes staged, under "
-        "staging/<key>/<run id>/ (keys and run ids are not known at deploy time)",
-        "compile-cache/promoted/": "the promoter writes the promoted compile cache of each key under "
-        "promoted/<key>/ and removes the files an earlier promotion of that key left; it is the only principal "
-        "the bucket policy lets write there",
+        "compile-cache/staging/": "the promoter reads the compile caches this environment's Trainium nodes "
+        "staged, under staging/<key>/<run id>/ (keys and run ids are not known at deploy time)",
+        "compile-cache/promoted/": "the promoter writes this environment's promoted compile cache of each key "
+        "under promoted/<key>/ and removes the files an earlier promotion of that key left; it is the only "
+        "principal the bucket policy lets write there",
     },
     "Cluster/QueuePolicy-{trainium_queue}": {
-        "compile-cache/staging/": "the compile stage uploads what it compiled under staging/<key>/<run id>/ "
-        "(PutObject only: no read, no delete; keys are per graph settings and run)",
-        "compile-cache/promoted/": "the compile stage reads the promoted compile cache of its key (GetObject "
-        "only: the bucket policy denies every principal but the promoter writing there)",
+        "compile-cache/staging/": "this environment's compile stage uploads what it compiled under "
+        "staging/<key>/<run id>/ (PutObject only: no read, no delete; keys are per graph settings and run)",
+        "compile-cache/promoted/": "this environment's compile stage reads the promoted compile cache of its key "
+        "(GetObject only: the bucket policy denies every principal but the promoter writing there)",
     },
 }
 

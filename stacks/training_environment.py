@@ -14,8 +14,8 @@ from aws_cdk import aws_iam as iam
 from constructs import Construct
 
 from stacks.budget import BudgetGuard
-from stacks.compile_cache import CompileCache, promoter_name
 from stacks.cluster import NODE_FILES_PREFIX, Cluster, NodeHealth, bootstrap_neuron_release
+from stacks.compile_cache import CompileCache, promoter_name
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES
 from stacks.log_groups import log_group_with_retention
@@ -136,7 +136,7 @@ class TrainingEnvironmentStack(Stack):
             if isinstance(construct, ec2.CfnNatGateway | ec2.CfnEIP):
                 construct.node.add_dependency(self.preflight.resource)
         self.storage.file_system.node.add_dependency(self.preflight.resource)
-        # The compile cache kept in the bucket: nodes stage, only its promoter's role promotes.
+        # The compile cache kept in the bucket: nodes stage, only its promoter's role promotes; staged copies expire.
         self.compile_cache = CompileCache(
             self,
             "CompileCache",
@@ -144,7 +144,6 @@ class TrainingEnvironmentStack(Stack):
             function_name=promoter_name(config.stack_name),
             log_retention_days=retention_days,
         )
-        self.storage.bucket.add_lifecycle_rule(**CompileCache.lifecycle_rule_settings())
         neuron_release = bootstrap_neuron_release()
         # One log group for the stack's one BucketDeployment handler (the code and the node files).
         deployment_logs = log_group_with_retention(self, "DeploymentLogs", retention_days)

@@ -53,6 +53,7 @@ EXAMPLES = {  # one per subcommand, shown by --help; {prog} is `python -m traini
     "fetch": "{prog} fetch --recipe RUN_DIR/recipe.yaml --token-secret-arn SECRET_ARN --copy-to s3://BUCKET/fsx/models/M",
     "export": "{prog} export --run-dir RUN_DIR --output s3://BUCKET/results/RUN_ID --push-to-hub OWNER/NAME",
     "compile-cache restore": "{prog} compile-cache restore --run-dir /fsx/runs/llama31-8b-cpt-20250601-120000",
+    "compile-cache save": "{prog} compile-cache save --run-dir /fsx/runs/llama31-8b-cpt-20250601-120000",
     "monitor cluster": "{prog} monitor cluster --site /fsx/pipeline/site-default.yaml --dry-run",
     "monitor neuron": "{prog} monitor neuron --site /fsx/pipeline/site-default.yaml",
 }
@@ -330,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
         "compile-cache",
         help="keep the Neuron compile cache in the results bucket (the compile stage's first and last commands)",
         description="keep the Neuron compile cache in the results bucket, by a key of what decides the graphs",
-        epilog="examples:\n" + "\n".join(f"  {EXAMPLES[k].format(prog=prog)}" for k in ("compile-cache restore",)),
+        epilog="examples:\n"
+        + "\n".join(f"  {EXAMPLES[k].format(prog=prog)}" for k in ("compile-cache restore", "compile-cache save")),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     ).add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -338,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("restore", "before compiling: the promoted cache of the run's key into the site's compile_cache, verified"),
         ("save", "after compiling: the cache's finished entries to staging, then promoted by the deployment"),
     ):
-        command = _command(compile_cache, action, text, prog, EXAMPLES["compile-cache restore"].replace("restore", action))
+        command = _command(compile_cache, action, text, prog, EXAMPLES[f"compile-cache {action}"])
         command.add_argument("--run-dir", required=True, type=Path, help="run directory (<runs_root>/<run-id>)")
 
     fetch = _command(

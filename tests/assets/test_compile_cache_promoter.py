@@ -41,7 +41,7 @@ class StandInLambda:
         self.client = client
         self.calls: list[dict[str, Any]] = []
 
-    def invoke(self, *, FunctionName: str, InvocationType: str, Payload: bytes) -> dict[str, Any]:  # noqa: N803
+    def invoke(self, *, FunctionName: str, InvocationType: str, Payload: bytes) -> dict[str, Any]:
         event = json.loads(Payload)
         self.calls.append(event)
         answer = handler.handler(event, None, client=self.client)
@@ -67,7 +67,9 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         yield client
 
 
-def make_run(root: Path, run_id: str, *, promoter: str | None = "trainium-default-cache-promoter", **overrides: Any) -> Path:
+def make_run(
+    root: Path, run_id: str, *, promoter: str | None = "trainium-default-cache-promoter", **overrides: Any
+) -> Path:
     """A run directory as `submit` leaves it (run.json with the site and settings, recipe.yaml) for the bundled
     Llama recipe on a trn1 site whose compile cache is `root/<run id>-cache`."""
     site = Site(
@@ -150,7 +152,9 @@ def test_save_promote_restore_brings_the_same_finished_entries_to_a_new_environm
     assert compile_cache.restore(second, client=s3)["present"] == 2  # a second restore downloads nothing
 
 
-def test_a_cache_without_a_promoted_entry_starts_cold(s3: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_cache_without_a_promoted_entry_starts_cold(
+    s3: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = make_run(tmp_path, "run-a")
     assert compile_cache.restore(run, client=s3)["restored"] == 0
     assert "the compile starts cold" in capsys.readouterr().out
@@ -204,7 +208,9 @@ def test_the_promoter_reads_an_object_without_a_checksum_and_refuses_it_when_it_
         ({"bucket": BUCKET, "staging": "results/run-a"}, "is not"),
     ],
 )
-def test_the_promoter_refuses_a_request_outside_the_staging_prefix(s3: Any, event: dict[str, Any], problem: str) -> None:
+def test_the_promoter_refuses_a_request_outside_the_staging_prefix(
+    s3: Any, event: dict[str, Any], problem: str
+) -> None:
     answer = handler.handler(event, None, client=s3)
     assert answer["status"] == "refused" and problem in answer["problems"][0]
 
@@ -257,7 +263,9 @@ def test_a_promotion_replaces_the_earlier_one_of_the_same_key(s3: Any, tmp_path:
     assert answer["stale_removed"] == 4
     promoted = keys_under(s3, f"compile-cache/promoted/{key}/")
     assert all("MODULE_111" not in name for name in promoted) and len(promoted) == 5
-    manifest = json.loads(s3.get_object(Bucket=BUCKET, Key=f"compile-cache/promoted/{key}/manifest.json")["Body"].read())
+    manifest = json.loads(
+        s3.get_object(Bucket=BUCKET, Key=f"compile-cache/promoted/{key}/manifest.json")["Body"].read()
+    )
     assert manifest["run_id"] == "run-b" and manifest["promoted_from"].endswith("/run-b")
 
 

@@ -112,7 +112,14 @@ def test_results_bucket_expires_old_versions_and_abandoned_uploads(default_env: 
                         "Status": "Enabled",
                         "NoncurrentVersionExpiration": {"NoncurrentDays": 30},
                         "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 7},
-                    }
+                    },
+                    # Compile caches the nodes staged (stacks/compile_cache.py): promoted in minutes, else dropped.
+                    {
+                        "Id": "ExpireStagedCompileCaches",
+                        "Status": "Enabled",
+                        "Prefix": "compile-cache/staging/",
+                        "ExpirationInDays": 14,
+                    },
                 ]
             },
         },
@@ -301,13 +308,15 @@ def test_scheduling_scales_to_zero_and_drains_on_update(default_env: Synthesized
         {"Name": "r6a-8xlarge", "InstanceType": "r6a.8xlarge", "MinCount": 0, "MaxCount": 2}
     ]
     assert cpu["CustomActions"]["OnNodeConfigured"]["Args"][-2:] == ["--node-type", "cpu"]
-    # Both queues get the compute nodes' policy; the CPU queue also its own (the Hub token secrets, the model copy).
+    # Both queues get the compute nodes' policy and one of their own: the CPU queue's (the Hub token secrets, the
+    # model copy), the Trainium queue's (the compile cache in the bucket).
     assert (
         cpu["Iam"]["AdditionalIamPolicies"][:1]
-        == queue["Iam"]["AdditionalIamPolicies"]
+        == queue["Iam"]["AdditionalIamPolicies"][:1]
         == [{"Policy": {"Ref": "ClusterComputeNodePolicy837CDCC1"}}]
     )
     assert cpu["Iam"]["AdditionalIamPolicies"][1:] == [{"Policy": {"Ref": "ClusterQueuePolicycpu7E0E695F"}}]
+    assert queue["Iam"]["AdditionalIamPolicies"][1:] == [{"Policy": {"Ref": "ClusterQueuePolicycompute17DC320E5"}}]
 
 
 def test_smoke_queue_has_no_efa_and_no_placement_group(smoke_env: Synthesized) -> None:
@@ -434,7 +443,7 @@ def test_each_node_role_gets_its_own_policy(default_env: Synthesized) -> None:
     head = logical_id_of_policy(default_env, "Head")
     compute = logical_id_of_policy(default_env, "Compute")
     assert {"Policy": {"Ref": head}} in configuration["HeadNode"]["Iam"]["AdditionalIamPolicies"]
-    assert configuration["Scheduling"]["SlurmQueues"][0]["Iam"]["AdditionalIamPolicies"] == [
+    assert configuration["Scheduling"]["SlurmQueues"][0]["Iam"]["AdditionalIamPolicies"][:1] == [
         {"Policy": {"Ref": compute}}
     ]
 

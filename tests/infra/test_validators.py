@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from stacks.nag import ACKNOWLEDGEMENTS, Acknowledgement, pipeline_acknowledgements, queue_acknowledgements
+from stacks.nag import (
+    ACKNOWLEDGEMENTS,
+    Acknowledgement,
+    compile_cache_acknowledgements,
+    pipeline_acknowledgements,
+    queue_acknowledgements,
+)
 from stacks.training_environment import cpu_stages_queue
 from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized
 
@@ -64,6 +70,7 @@ def test_every_acknowledgement_is_used_and_has_a_specific_reason(
         *ACKNOWLEDGEMENTS,
         *pipeline_acknowledgements(env.config.region),
         *queue_acknowledgements(cpu_stages_queue(env.config), env.config.storage.fsx_s3_prefix),
+        *compile_cache_acknowledgements(env.config.compute.queue_name),
     )
 
     def covers(ack: Acknowledgement, path: str, rule: str) -> bool:

@@ -168,7 +168,7 @@ def test_the_compile_stage_restores_the_kept_cache_first_and_stages_what_it_comp
     ]
     assert order == sorted(order)
     # Neither stops the compile stage: a cold compile is slower, never wrong.
-    assert "|| echo \"$(date -u +%FT%TZ) warning: compile cache not restored; the compile starts cold\"" in compile_script
+    assert '|| echo "$(date -u +%FT%TZ) warning: compile cache not restored; the compile starts cold"' in compile_script
     for stage, text in scripts.items():
         assert ("compile-cache" in text) == (stage == "compile"), stage
     local = rendered("llama31-8b-cpt", default_site().model_copy(update={"compile_cache_store": None}))

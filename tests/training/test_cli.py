@@ -73,6 +73,8 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         "fetch",
         "monitor cluster",
         "monitor neuron",
+        "compile-cache save",
+        "compile-cache restore",
     }
     for name in ("prepare pretrain", "prepare sft", "convert", "sample", "evaluate", "export"):
         assert "--output" in options(commands[name]), name  # what the command writes

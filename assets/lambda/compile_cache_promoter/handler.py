@@ -55,7 +55,10 @@ def handler(event: Mapping[str, Any], context: Any, client: Any = None) -> dict[
         problems = manifest_problems(manifest, key)
         if problems:
             raise Refusal(f"{staging}/{MANIFEST}: " + "; ".join(problems))
-        versions = {name: checked_version(client, bucket, f"{staging}/{name}", entry) for name, entry in sorted(manifest["files"].items())}
+        versions = {
+            name: checked_version(client, bucket, f"{staging}/{name}", entry)
+            for name, entry in sorted(manifest["files"].items())
+        }
     except Refusal as refusal:
         LOGGER.error("refused: %s", refusal)
         return {"status": "refused", "problems": [str(refusal)]}
@@ -85,7 +88,9 @@ def handler(event: Mapping[str, Any], context: Any, client: Any = None) -> dict[
 def staging_of(event: Mapping[str, Any], bucket: str, prefix: str) -> tuple[str, str, str]:
     """(bucket, key, staging prefix) of a request for this deployment's bucket and staging prefix only."""
     if not isinstance(event, Mapping) or event.get("bucket") != bucket:
-        raise Refusal(f"not this environment's bucket: {event.get('bucket') if isinstance(event, Mapping) else event!r}")
+        raise Refusal(
+            f"not this environment's bucket: {event.get('bucket') if isinstance(event, Mapping) else event!r}"
+        )
     staging = str(event.get("staging") or "").strip("/")
     match = re.fullmatch(rf"{re.escape(prefix.strip('/'))}/staging/({KEY})/{RUN_ID}", staging)
     if match is None:
@@ -116,7 +121,13 @@ def manifest_problems(manifest: Any, key: str) -> list[str]:
     problems = []
     for name, entry in files.items():
         parts = name.split("/")
-        if name.startswith("/") or ".." in parts or "" in parts or len(parts) < 3 or not ENTRY.fullmatch("/".join(parts[:2])):
+        if (
+            name.startswith("/")
+            or ".." in parts
+            or "" in parts
+            or len(parts) < 3
+            or not ENTRY.fullmatch("/".join(parts[:2]))
+        ):
             problems.append(f"{name!r}: not a file of a cache entry (neuronxcc-*/MODULE_*/...)")
         elif not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0:
             problems.append(f"{name}: no size")
