@@ -12,6 +12,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -312,3 +314,78 @@ def test_the_key_follows_the_compiler_model_and_instance() -> None:
     assert key({"hidden_size": 4096}, "trn1n.32xlarge") != base
     assert key({"hidden_size": 4096}, **{"neuronx-cc": "2.0"}) != base
     assert key({"hidden_size": 4096}, **{"neuronx-distributed": "2.0"}) != base
+
+
+def test_a_save_of_what_is_promoted_already_uploads_nothing(s3: Any, tmp_path: Path) -> None:
+    first = make_run(tmp_path / "old", "run-a")
+    write_entry(Path(json.loads((first / "run.json").read_text())["site"]["compile_cache"]), "MODULE_111+abc")
+    compile_cache.save(first, client=s3, lambda_client=StandInLambda(s3))
+    second = make_run(tmp_path / "new", "run-b")
+    compile_cache.restore(second, client=s3)
+    lambda_client = StandInLambda(s3)
+    assert compile_cache.save(second, client=s3, lambda_client=lambda_client)["staging"] is None
+    assert lambda_client.calls == [] and keys_under(s3, "compile-cache/staging/") == keys_under(
+        s3, "compile-cache/staging/" + compile_cache.run_cache(first).key + "/run-a/"
+    )
+    empty = make_run(tmp_path / "empty", "run-c")  # a compile that left no finished entry: nothing to stage
+    assert compile_cache.save(empty, client=s3, lambda_client=lambda_client)["staging"] is None
+
+
+def test_the_commands_run_against_s3_and_refuse_a_site_without_a_store(tmp_path: Path) -> None:
+    """`python -m training compile-cache ...` as the compile job runs it: its own S3 client (the endpoint and
+    credentials from the environment), JSON on stdout, and one line with exit status 2 for a run it cannot serve."""
+    from tests.support.moto_server import moto_endpoint
+
+    run = make_run(tmp_path, "run-a")
+    cache = Path(json.loads((run / "run.json").read_text())["site"]["compile_cache"])
+    write_entry(cache, "MODULE_111+abc")
+    with moto_endpoint() as endpoint:
+        environment = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-west-2",
+        }
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-west-2",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        ).create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
+
+        def command(*arguments: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "training", "compile-cache", *arguments, "--run-dir", str(run)],
+                capture_output=True,
+                text=True,
+                env=environment,
+                check=False,
+                timeout=120,
+            )
+
+        restored = command("restore")
+        assert restored.returncode == 0, restored.stderr
+        assert "the compile starts cold" in restored.stdout
+        assert json.loads(restored.stdout.splitlines()[-1])["restored"] == 0
+        # The promoter is the deployment's function; here there is none to call, so the save's refusal is one line.
+        saved = command("save")
+        assert saved.returncode == 2 and "compile cache saved: 1 entries, 4 files" in saved.stdout
+        (line,) = saved.stderr.strip().splitlines()
+        assert line.startswith(f"error: compile cache save to {STORE}: ResourceNotFoundException: ")
+        assert line.endswith(":function:trainium-default-cache-promoter")
+    record = json.loads((run / "run.json").read_text())
+    record["site"]["compile_cache_store"] = None
+    (run / "run.json").write_text(json.dumps(record))
+    refused = subprocess.run(
+        [sys.executable, "-m", "training", "compile-cache", "restore", "--run-dir", str(run)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip() == "error: run run-a: its site has no compile_cache_store (where the cache is kept)"

@@ -30,6 +30,8 @@ import json
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path, PurePosixPath
@@ -246,6 +248,20 @@ def run_cache(run_dir: Path) -> RunCache:
     )
 
 
+@contextmanager
+def aws_errors(what: str) -> Iterator[None]:
+    """An AWS refusal (access denied, no such function, throttling beyond botocore's retries) as one line."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except ClientError as error:
+        details = error.response.get("Error", {})
+        raise UserError(f"{what}: {details.get('Code', 'error')}: {details.get('Message', error)}") from None
+    except BotoCoreError as error:
+        raise UserError(f"{what}: {error}") from None
+
+
 def _bucket_prefix(store: str) -> tuple[str, str]:
     bucket, _, prefix = store.removeprefix("s3://").partition("/")
     if not store.startswith("s3://") or not bucket:
@@ -263,15 +279,28 @@ def _join(*parts: str) -> str:
 def save(run_dir: Path, *, client: Any = None, lambda_client: Any = None) -> dict[str, Any]:
     """Upload the cache's finished entries to staging, the manifest last, then ask for their promotion."""
     cache = run_cache(run_dir)
+    with aws_errors(f"compile cache save to {cache.store}"):
+        return _save(cache, client, lambda_client)
+
+
+def _save(cache: RunCache, client: Any, lambda_client: Any) -> dict[str, Any]:
     entries = complete_entries(cache.cache_dir)
     files = entry_files(cache.cache_dir, entries)
     manifest = build_manifest(cache.cache_dir, files, key=cache.key, inputs=cache.inputs, run_id=cache.run_id)
     bucket, prefix = _bucket_prefix(cache.store)
     staging = _join(prefix, STAGING, cache.key, cache.run_id)
+    result: dict[str, Any] = {"key": cache.key, "entries": len(entries), "files": len(files), "staging": None}
+    if not files:
+        print(f"compile cache {cache.cache_dir}: no finished entry; nothing saved")
+        return result
     if client is None:
         import boto3
 
         client = boto3.client("s3")
+    promoted = _read_manifest(client, bucket, _join(prefix, PROMOTED, cache.key, outputs.MANIFEST))
+    if isinstance(promoted, dict) and promoted.get("files") == manifest["files"]:
+        print(f"compile cache key {cache.key}: the promoted copy holds these {len(files)} files already; nothing saved")
+        return result
     for count, relative in enumerate(files):
         outputs.kill_point(f"uploaded-{count}")
         _upload(client, cache.cache_dir / relative, bucket, _join(staging, str(relative)), manifest, str(relative))
@@ -287,7 +316,7 @@ def save(run_dir: Path, *, client: Any = None, lambda_client: Any = None) -> dic
         f"compile cache saved: {len(entries)} entries, {len(files)} files, {manifest['bytes']:,} bytes to "
         f"s3://{bucket}/{staging}/ (key {cache.key})"
     )
-    result: dict[str, Any] = {"key": cache.key, "entries": len(entries), "files": len(files), "staging": staging}
+    result["staging"] = staging
     if cache.promoter:
         result["promotion"] = promote(cache.promoter, bucket, staging, lambda_client=lambda_client)
     else:
@@ -335,6 +364,11 @@ def promote(function: str, bucket: str, staging: str, *, lambda_client: Any = No
 def restore(run_dir: Path, *, client: Any = None) -> dict[str, Any]:
     """Bring the promoted entries of the run's key into the cache, each checked file by file."""
     cache = run_cache(run_dir)
+    with aws_errors(f"compile cache restore from {cache.store}"):
+        return _restore(cache, client)
+
+
+def _restore(cache: RunCache, client: Any) -> dict[str, Any]:
     bucket, prefix = _bucket_prefix(cache.store)
     promoted = _join(prefix, PROMOTED, cache.key)
     if client is None:
