@@ -50,7 +50,6 @@ NEFF = "model.neff"
 GRAPH_PACKAGES = ("neuronx-cc", "torch-neuronx", "neuronx-distributed", "torch-xla", "torch")
 SINGLE_PUT_LIMIT = 5 * 1024**3  # S3's largest single PUT; larger files go up in parts
 SHA256_HEX = re.compile(r"\A[0-9a-f]{64}\Z")
-KEY = re.compile(r"\A[0-9a-f]{64}\Z")
 # A cache entry's directory: neuronxcc-<version>/MODULE_<hashes> (anything else in the cache is not an entry).
 ENTRY = re.compile(r"\Aneuronxcc-[A-Za-z0-9.+_-]+/MODULE_[A-Za-z0-9+_.-]+\Z")
 
