@@ -52,6 +52,7 @@ EXAMPLES = {  # one per subcommand, shown by --help; {prog} is `python -m traini
     "--output RUN_DIR",
     "fetch": "{prog} fetch --recipe RUN_DIR/recipe.yaml --token-secret-arn SECRET_ARN --copy-to s3://BUCKET/fsx/models/M",
     "export": "{prog} export --run-dir RUN_DIR --output s3://BUCKET/results/RUN_ID --push-to-hub OWNER/NAME",
+    "preflight": "{prog} preflight --run-dir /fsx/runs/llama31-8b-cpt-20250601-120000 --node",
     "monitor cluster": "{prog} monitor cluster --site /fsx/pipeline/site-default.yaml --dry-run",
     "monitor neuron": "{prog} monitor neuron --site /fsx/pipeline/site-default.yaml",
 }
@@ -345,6 +346,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fetch.add_argument("--output", metavar="DIR", help="with --tokenizer-only: where (default: model.config)")
 
+    preflight = _command(
+        commands,
+        "preflight",
+        "the preflight stage's checks of the training nodes (run by its job: --node on every node, then once)",
+        prog,
+        EXAMPLES["preflight"],
+    )
+    preflight.add_argument("--run-dir", required=True, type=Path, help="run directory (<runs_root>/<run-id>)")
+    step = preflight.add_mutually_exclusive_group()
+    step.add_argument("--node", action="store_true", help="this node's checks, written to <run>/preflight/<node>.json")
+    step.add_argument(
+        "--verify", action="store_true", help="in the training job: say whether it runs on the checked nodes"
+    )
+
     monitor = commands.add_parser(
         "monitor",
         help="publish the cluster's metrics to CloudWatch (the site's metrics_namespace and region)",
@@ -452,7 +467,7 @@ def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done, 1 `status` of a failed run, a `plan` that does not fit, an `evaluate` whose gate
-    failed or `monitor neuron` once neuron-monitor has exited, 2 user error (argparse's own errors included)."""
+    failed, `monitor neuron` once neuron-monitor has exited or a `preflight` that found a problem, 2 user error (argparse's own errors included)."""
     arguments = build_parser().parse_args(argv)
     try:
         setup_logging(training=arguments.command == "train")
@@ -466,6 +481,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _pipeline(arguments)
         if arguments.command == "monitor":
             return _monitor(arguments)
+        if arguments.command == "preflight":
+            return _preflight(arguments)
         manifest = _run(arguments)
     except UserError as error:
         report(error)
@@ -656,6 +673,16 @@ def _monitor(arguments: argparse.Namespace) -> int:
     from training.monitoring.neuron import monitor_neuron
 
     return monitor_neuron(site, namespace, dry_run=arguments.dry_run, executable=arguments.neuron_monitor)
+
+
+def _preflight(arguments: argparse.Namespace) -> int:
+    from training.pipeline import preflight
+
+    if arguments.node:
+        return preflight.run_node(arguments.run_dir)
+    if arguments.verify:
+        return preflight.verify_nodes(arguments.run_dir)
+    return preflight.run_job(arguments.run_dir)
 
 
 def _pipeline(arguments: argparse.Namespace) -> int:
