@@ -175,7 +175,7 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     run_dir = reference_runs[name]
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
     record = json.loads((run_dir / "run.json").read_text())
-    stages = ["prepare", "convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
+    stages = ["prepare", "convert-in", "compile", "preflight", "train", "convert-out", "evaluate", "sample", "export"]
     assert record["stages"] == stages
     assert len(record["submissions"]) == 1 and set(record["submissions"][0]["jobs"]) == set(record["stages"])
     exported = Path(site.results) / name
@@ -254,14 +254,15 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
     run_dir = run("tiny-llama-cpt", world, site, "llama-failing", *extra)
     first = states(run_dir)
     assert first["prepare"] == "COMPLETED" and first["convert-in"] == "FAILED"
-    assert {first[s] for s in ("compile", "train", "convert-out", "evaluate", "sample", "export")} == {"CANCELLED"}
+    cancelled = ("compile", "preflight", "train", "convert-out", "evaluate", "sample", "export")
+    assert {first[s] for s in cancelled} == {"CANCELLED"}
     assert runs.print_status(run_dir)
     printed = capsys.readouterr().out
     assert "convert-in ended FAILED; last lines of" in printed and f"--input {late}: no such directory" in printed
 
     shutil.copytree(sources["llama"]["hf"], late)
     resumed = runs.submit("tiny-llama-cpt", overrides(world, *extra), run_id="llama-failing", site=site, dry_run=False)
-    assert list(resumed["jobs"]) == ["convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
+    assert list(resumed["jobs"]) == ["convert-in", *cancelled]
     assert resumed["kept"] == {}  # nothing of the failed run was queued any more
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
 
@@ -324,7 +325,7 @@ def test_a_killed_submit_is_completed_by_its_rerun_with_one_job_per_stage(
     world = overrides(sources["llama"], "steps=4", "checkpoint.every=2")
     result = runs.submit("tiny-llama-cpt", world, run_id="llama-killed-submit", site=site, dry_run=False)
     assert result["kept"]["compile"] == compile_job  # with prepare and convert-in while they are queued
-    assert list(result["jobs"]) == ["train", "convert-out", "evaluate", "sample", "export"]  # none kept too
+    assert list(result["jobs"]) == ["preflight", "train", "convert-out", "evaluate", "sample", "export"]  # none kept
     rerun = Path(result["run_dir"])
     assert set(states(rerun).values()) == {"COMPLETED"}, runs.stage_states(rerun)
     assert recorded_jobs(run_dir)["compile"] == compile_job
