@@ -178,6 +178,19 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     stages = ["prepare", "convert-in", "compile", "preflight", "train", "convert-out", "evaluate", "sample", "export"]
     assert record["stages"] == stages
     assert len(record["submissions"]) == 1 and set(record["submissions"][0]["jobs"]) == set(record["stages"])
+    # The preflight passed (not a Neuron site: the write speed only) and the training job ran on its nodes.
+    checked = json.loads((run_dir / "preflight.json").read_text())
+    train_job = record["submissions"][0]["jobs"]["train"]
+    assert checked["failure"] is None and checked["pinned"] == f"job {train_job} pinned to {checked['nodelist']}"
+    train = runs.job_info(train_job, site.slurm_bin)
+    assert train["NodeList"] == train["ReqNodeList"] == checked["nodelist"]
+    assert f"preflight: training on the checked nodes {checked['nodelist']}" in (
+        run_dir / "logs" / f"train-{train_job}.out"
+    ).read_text()
+    for node in checked["nodes"]:
+        checks = checked["results"][node]["checks"]
+        assert checks["devices"] == "not applicable (not a Neuron site)"
+        assert checks["checkpoint_write"]["bytes_per_second"] > 0 and not checks["checkpoint_write"]["judged"]
     exported = Path(site.results) / name
     model = AutoModelForCausalLM.from_pretrained(exported / "hf")
     assert model.config.num_hidden_layers == 2
@@ -287,6 +300,94 @@ def test_a_failed_evaluation_still_samples_and_exports_and_status_shows_it(
     runs.print_status(run_dir)
     printed = capsys.readouterr().out
     assert "evaluate ended FAILED; last lines of" in printed and "'no_such_task' not known" in printed
+
+
+NEURON_TOOLS = ROOT / "tests" / "support" / "neuron_tools"
+
+
+def neuron_site(site: Site, tmp_path: Path) -> Site:
+    """The site as a Neuron site: the Neuron environment's directory (its `python`, and the stand-ins for
+    neuron_parallel_compile and nccom-test beside it, as the environment and aws-neuronx-tools put them on the
+    job's PATH), EFA, one process a node."""
+    environment = tmp_path / "neuron-env" / "bin"
+    environment.mkdir(parents=True)
+    (environment / "python").write_text(f'#!/bin/bash\nexec {sys.executable} "$@"\n')
+    (environment / "python").chmod(0o755)
+    for tool in NEURON_TOOLS.iterdir():
+        (environment / tool.name).symlink_to(tool)
+    update = {"python": str(environment / "python"), "neuron": True, "efa": True, "processes_per_node": 1}
+    return site.model_copy(update={**update, "compile_cache": str(tmp_path / "neuron-cache")})
+
+
+def preflight_drained(slurm: Any) -> dict[str, str]:
+    """Nodes a preflight drained, with the reason."""
+    reasons = {}
+    for line in slurm.run("scontrol", "show", "node", "--oneliner").stdout.splitlines():
+        name = line.split("NodeName=", 1)[1].split(" ", 1)[0]
+        reason = line.split(" Reason=", 1)[1].split(" [", 1)[0] if " Reason=" in line else ""
+        if reason.startswith("preflight:"):
+            reasons[name] = reason
+    return reasons
+
+
+@pytest.mark.parametrize(
+    ("busbw", "line", "drained"),
+    [
+        (  # its own all-reduce slow: that node is named and drained
+            "1:5.0",
+            "preflight: node {slow}: all-reduce within the node bus bandwidth 5.0 GB/s below the floor 21.1 GB/s of "
+            "trn1.32xlarge",
+            True,
+        ),
+        (  # each node's own above its floor, the all-reduce across both below EFA's: both named, none drained
+            "1:22.0",
+            "preflight: nodes {nodes}: all-reduce across 2 nodes bus bandwidth 22.0 GB/s below the floor 23.3 GB/s of "
+            "trn1.32xlarge (each node's own checks passed; none drained)",
+            False,
+        ),
+    ],
+    ids=["slow-node", "slow-across-nodes"],
+)
+def test_a_slow_node_fails_the_preflight_in_one_line_and_training_never_starts(
+    busbw: str,
+    line: str,
+    drained: bool,
+    slurm: Any,
+    sources: dict[str, dict[str, Path]],
+    site: Site,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Neuron site of 2 nodes with their devices (a fake tree); the nccom-test stand-in reports the second
+    node's bus bandwidth as given (across nodes: the lower one, learnt over srun in the job's allocation as the
+    real Slurm mode runs): the preflight fails in one line with the node and the number, drains a node it can
+    name with that reason, and the training job and everything after it is cancelled."""
+    from tests.assets.test_on_node_configured import fake_device_tree
+
+    monkeypatch.setenv("DEVICE_ROOT", str(fake_device_tree(tmp_path / "devices", neuron=16, efa=8)))
+    monkeypatch.setenv("NCCOM_TEST_STANDIN_BUSBW", busbw)  # sbatch exports the environment to the jobs
+    extra = ("steps=2", "checkpoint.every=2", "nodes=2")
+    run_id = f"llama-preflight-{busbw.replace(':', '-').replace('.', '-')}"
+    run_dir = run("tiny-llama-cpt", sources["llama"], neuron_site(site, tmp_path), run_id, *extra)
+    try:
+        final = states(run_dir)
+        assert final["compile"] == "COMPLETED" and final["preflight"] == "FAILED", final
+        assert {final[s] for s in ("train", "convert-out", "evaluate", "sample", "export")} == {"CANCELLED"}
+        checked = json.loads((run_dir / "preflight.json").read_text())
+        expected = line.format(slow=checked["nodes"][1], nodes=",".join(checked["nodes"]))
+        assert checked["failure"] == (f"{expected} (drained)" if drained else expected) and "pinned" not in checked
+        assert checked["results"][checked["nodes"][0]]["problems"] == []
+        assert preflight_drained(slurm) == ({checked["nodes"][1]: expected} if drained else {})
+        assert ("DRAIN" in slurm.node_states()[checked["nodes"][1]]) == drained
+        runs.print_status(run_dir)
+        printed = capsys.readouterr().out
+        job = runs.latest_jobs(runs.read_run(run_dir))["preflight"]
+        assert f"{'preflight':<12} {job:>8} {'FAILED':<12}" in printed
+        assert printed.count(expected) >= 2  # the stage's note and the tail of its log
+    finally:
+        for node in preflight_drained(slurm):  # the other tests share the cluster
+            slurm.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
 
 
 def submit_killed_after(stage: str, run_id: str, world: dict[str, Path], site: Site, tmp_path: Path) -> Any:
