@@ -467,7 +467,8 @@ def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done, 1 `status` of a failed run, a `plan` that does not fit, an `evaluate` whose gate
-    failed, `monitor neuron` once neuron-monitor has exited or a `preflight` that found a problem, 2 user error (argparse's own errors included)."""
+    failed, `monitor neuron` once neuron-monitor has exited or a `preflight` that found a problem, 2 user error
+    (argparse's own errors included)."""
     arguments = build_parser().parse_args(argv)
     try:
         setup_logging(training=arguments.command == "train")

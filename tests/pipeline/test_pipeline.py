@@ -184,9 +184,10 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     assert checked["failure"] is None and checked["pinned"] == f"job {train_job} pinned to {checked['nodelist']}"
     train = runs.job_info(train_job, site.slurm_bin)
     assert train["NodeList"] == train["ReqNodeList"] == checked["nodelist"]
-    assert f"preflight: training on the checked nodes {checked['nodelist']}" in (
-        run_dir / "logs" / f"train-{train_job}.out"
-    ).read_text()
+    assert (
+        f"preflight: training on the checked nodes {checked['nodelist']}"
+        in (run_dir / "logs" / f"train-{train_job}.out").read_text()
+    )
     for node in checked["nodes"]:
         checks = checked["results"][node]["checks"]
         assert checks["devices"] == "not applicable (not a Neuron site)"

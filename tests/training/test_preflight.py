@@ -43,10 +43,19 @@ def test_the_standin_writes_the_real_tools_report_format(tmp_path: Path) -> None
     command = [str(STANDIN), "-r", "32", "-N", "1", "-b", "1GB", "-e", "1GB", "-d", "fp32", "--non-interactive"]
     command += ["--report-to-json-file", str(report), "allr"]
     environment = {"PATH": "/usr/bin:/bin", "DEVICE_ROOT": str(tmp_path), "SLURM_NODEID": "1"}
-    done = subprocess.run(command, env={**environment, "NCCOM_TEST_STANDIN_BUSBW": "1:7.25"}, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        command, env={**environment, "NCCOM_TEST_STANDIN_BUSBW": "1:7.25"}, capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert preflight.bus_bandwidth(report.read_text()) == 7.25
-    assert done.stdout.splitlines()[0].split() == ["size(B)", "count(elems)", "type", "time:avg(us)", "algbw(GB/s)", "busbw(GB/s)"]
+    assert done.stdout.splitlines()[0].split() == [
+        "size(B)",
+        "count(elems)",
+        "type",
+        "time:avg(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+    ]
     assert done.stdout.splitlines()[-1] == "Avg bus bandwidth:\t7.2500GB/s"
     (tmp_path / "dev" / "neuron0").unlink()
     missing = subprocess.run(command, env=environment, capture_output=True, text=True, check=False)

@@ -52,8 +52,15 @@ from training import outputs
 from training.config.recipe import Recipe, load_recipe
 from training.config.site import Site
 from training.errors import UserError
-from training.train.memory import DEFAULT_HARDWARE, GIB, Hardware, model_config, parameters_per_core
-from training.train.memory import state_bytes_per_parameter, workload_of
+from training.train.memory import (
+    DEFAULT_HARDWARE,
+    GIB,
+    Hardware,
+    model_config,
+    parameters_per_core,
+    state_bytes_per_parameter,
+    workload_of,
+)
 
 RESULT = "preflight.json"
 NODES_DIR = "preflight"  # <run>/preflight/<node>.json, and the write test's scratch files
@@ -140,8 +147,9 @@ def write_problem(bytes_per_second: float, node_bytes: int, interval_seconds: fl
     if seconds <= allowed:
         return None
     return (
-        f"shared storage writes {bytes_per_second / 1e6:.0f} MB/s: its {node_bytes / 1e9:.1f} GB of a checkpoint take "
-        f"{seconds:.0f} s, more than {CHECKPOINT_WRITE_FRACTION:.0%} of the {interval_seconds:.0f} s between checkpoints"
+        f"shared storage writes {bytes_per_second / 1e6:.0f} MB/s: its {node_bytes / 1e9:.1f} GB of a checkpoint "
+        f"take {seconds:.0f} s, more than {CHECKPOINT_WRITE_FRACTION:.0%} of the {interval_seconds:.0f} s between "
+        "checkpoints"
     )
 
 
@@ -338,7 +346,8 @@ def drain(site: Site, node: str, reason: str) -> str:
         )
         if again.returncode == 0:
             return "drained (sudo)"
-    return f"not drained: {done.stderr.strip() or done.stdout.strip()} (drain it as an operator: scontrol {' '.join(arguments)})"
+    refusal = done.stderr.strip() or done.stdout.strip()
+    return f"not drained: {refusal} (drain it as an operator: scontrol {' '.join(arguments)})"
 
 
 def pin_training(site: Site, run_dir: Path, nodelist: str) -> str:
@@ -376,7 +385,9 @@ def run_job(run_dir: Path) -> int:
         record["floors"]["allreduce_nodes_gbps"] = floor
         job_id = os.environ.get("SLURM_JOB_ID", "")
         try:
-            measured = run_allreduce(hardware.cores_per_node * len(nodes), len(nodes), ["--slurm-mode", "--slurm-job-id", job_id])
+            measured = run_allreduce(
+                hardware.cores_per_node * len(nodes), len(nodes), ["--slurm-mode", "--slurm-job-id", job_id]
+            )
         except UserError as error:
             job_problem = f"all-reduce across {len(nodes)} nodes: {error}"
         else:
@@ -385,7 +396,7 @@ def run_job(run_dir: Path) -> int:
     lines = []
     for node, problem in failed.items():
         line = failure_line(node, problem)
-        record.setdefault("drained", {})[node] = drain(site, node, line[: 200])
+        record.setdefault("drained", {})[node] = drain(site, node, line[:200])
         lines.append(f"{line} ({record['drained'][node]})")
     if job_problem:
         lines.append(f"preflight: nodes {','.join(nodes)}: {job_problem} (each node's own checks passed; none drained)")
