@@ -133,3 +133,41 @@ def test_the_preflight_runs_again_whenever_training_does() -> None:
     assert names == ["preflight", "train", "convert-out"]
     assert [s.name for s in stages_to_submit(stages, {"compile", "preflight", "train"})] == ["convert-out"]
     assert next(s for s in STAGES if s.name == "train") == Stage("train", ("compile", "preflight"), distributed=True)
+    # a training job still queued keeps the nodes its preflight pinned: nothing to check again
+    assert [s.name for s in stages_to_submit(stages, {"compile", "preflight"}, {"train"})] == ["train", "convert-out"]
+
+
+def slurm_standin(directory: Path, script: str) -> Path:
+    """A `scontrol` that answers as written (the Slurm client's side of a refusal), recording its arguments."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> "{directory}/calls"\n{script}\n')
+    (directory / "scontrol").chmod(0o755)
+    return directory
+
+
+def test_a_node_is_drained_by_a_slurm_operator_else_with_sudo_else_the_line_says_how(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ParallelCluster's cluster user is no Slurm operator: scontrol refuses, `sudo -n` may do it; without
+    either the result says so and how to drain it."""
+    from training.config.site import Site
+
+    refusing = slurm_standin(tmp_path / "slurm", 'echo "slurm_update error: Access/permission denied" >&2; exit 1')
+    site = Site(slurm_bin=str(refusing))
+    monkeypatch.setenv("PATH", "/nonexistent")  # no sudo
+    assert preflight.drain(site, "trn-st-1", "preflight: node trn-st-1: 15 of 16 Neuron devices") == (
+        "not drained: slurm_update error: Access/permission denied (drain it as an operator: scontrol update "
+        "NodeName=trn-st-1 State=DRAIN Reason=preflight: node trn-st-1: 15 of 16 Neuron devices)"
+    )
+    sudo = tmp_path / "sudo-bin"
+    sudo.mkdir()
+    (sudo / "sudo").write_text(f'#!/bin/bash\necho "sudo $*" >> "{refusing}/calls"\n')
+    (sudo / "sudo").chmod(0o755)
+    monkeypatch.setenv("PATH", str(sudo))
+    assert preflight.drain(site, "trn-st-1", "preflight: node trn-st-1: 15 of 16 Neuron devices") == "drained (sudo)"
+    calls = (refusing / "calls").read_text().splitlines()
+    assert calls[-2:] == [
+        "update NodeName=trn-st-1 State=DRAIN Reason=preflight: node trn-st-1: 15 of 16 Neuron devices",
+        f"sudo -n {refusing}/scontrol update NodeName=trn-st-1 State=DRAIN Reason=preflight: node trn-st-1: 15 of 16 "
+        "Neuron devices",
+    ]

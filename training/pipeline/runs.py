@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -535,6 +535,7 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
         print(f"run {plan.run_id} has finished every stage; nothing submitted")
         return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": {}, "submitted": False}
     queued = queued_jobs(plan.run_dir, site.slurm_bin) if previous is not None else {}
+    todo = stages_to_submit(plan.stages, done, set(queued))
     if all(stage.name in queued for stage in todo):
         print(f"run {plan.run_id} is queued or running (jobs {', '.join(queued.values())}); nothing submitted")
         return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": queued, "submitted": False}
@@ -575,10 +576,10 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
     return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": jobs, "kept": kept, "submitted": True}
 
 
-def stages_to_submit(stages: Sequence[Stage], done: set[str]) -> list[Stage]:
-    """The unfinished stages; the preflight again whenever training is to run, since a resubmitted training job
-    may get other nodes than those checked before."""
-    again = {"preflight"} if "train" not in done else set()
+def stages_to_submit(stages: Sequence[Stage], done: set[str], queued: Collection[str] = ()) -> list[Stage]:
+    """The unfinished stages; the preflight again whenever a training job is to be submitted, since it may get
+    other nodes than those checked before (not for a training job still queued: its preflight pinned it)."""
+    again = {"preflight"} if "train" not in done and "train" not in queued else set()
     return [stage for stage in stages if stage.name not in done or stage.name in again]
 
 
