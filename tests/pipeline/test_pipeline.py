@@ -391,6 +391,44 @@ def test_a_slow_node_fails_the_preflight_in_one_line_and_training_never_starts(
             slurm.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
 
 
+RUNUSER = shutil.which("runuser", path="/usr/sbin:/sbin:/usr/bin:/bin")  # the test's own PATH is a node's
+
+
+def test_a_jobs_owner_may_pin_its_pending_job_but_only_an_operator_drains(slurm: Any) -> None:
+    """What the preflight relies on, as Slurm decides it for a user who is no Slurm operator (ParallelCluster's
+    cluster user): `scontrol update JobId=... ReqNodeList=...` of the user's own pending job is allowed, a drain
+    is refused (the preflight then tries `sudo -n`)."""
+    import tempfile
+
+    assert RUNUSER is not None, "runuser (util-linux) is missing"
+    shared = Path(tempfile.mkdtemp(prefix="pin-check-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        conf = shared / "slurm.conf"
+        shutil.copy(slurm.state_dir / "slurm.conf", conf)
+        conf.chmod(0o644)
+        (shared / "held.sh").write_text(f"#!/bin/bash\n#SBATCH --output={shared}/held-%j.out\ntrue\n")
+
+        def as_nobody(*command: str) -> subprocess.CompletedProcess[str]:
+            environment = {"PATH": "/usr/bin:/bin", "SLURM_CONF": str(conf)}
+            runuser = [RUNUSER, "-u", "nobody", "--", "/usr/bin/env", *(f"{k}={v}" for k, v in environment.items())]
+            return subprocess.run([*runuser, *command], capture_output=True, text=True, timeout=30, check=False)
+
+        submitted = as_nobody("sbatch", "--parsable", "--hold", f"--chdir={shared}", str(shared / "held.sh"))
+        assert submitted.returncode == 0, submitted.stderr
+        job = submitted.stdout.strip()
+        try:
+            node = slurm.nodes[-1]
+            assert as_nobody("scontrol", "update", f"JobId={job}", f"ReqNodeList={node}").returncode == 0
+            assert f"ReqNodeList={node} " in slurm.run("scontrol", "show", "job", "-o", job).stdout
+            refused = as_nobody("scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=pin check")
+            assert refused.returncode != 0 and "DRAIN" not in slurm.node_states()[node], refused.stderr
+        finally:
+            slurm.run("scancel", job, check=False)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
 def submit_killed_after(stage: str, run_id: str, world: dict[str, Path], site: Site, tmp_path: Path) -> Any:
     """`python -m training submit`, SIGKILLed right after `stage`'s sbatch, before run.json records its job."""
     site_file = tmp_path / "site.yaml"
