@@ -171,3 +171,14 @@ def test_a_node_is_drained_by_a_slurm_operator_else_with_sudo_else_the_line_says
         f"sudo -n {refusing}/scontrol update NodeName=trn-st-1 State=DRAIN Reason=preflight: node trn-st-1: 15 of 16 "
         "Neuron devices",
     ]
+
+
+def test_the_status_note_is_the_failure_else_the_nodes_that_passed(tmp_path: Path) -> None:
+    result = tmp_path / "preflight.json"
+    result.write_text(json.dumps({"nodelist": "node[1-2]", "failure": None}))
+    assert preflight.note(result) == "passed on node[1-2]"
+    line = "preflight: node node2: 15 of 16 Neuron devices"
+    result.write_text(json.dumps({"nodelist": "node[1-2]", "failure": line}))
+    assert preflight.note(result) == line
+    result.write_text("[]")
+    assert preflight.note(result) == f"{result}: not a preflight result"

@@ -28,9 +28,13 @@ Floors (each a stated fraction of a published figure):
   checkpoints (checkpoint.every x the forecast's step time). No forecast (the CPU backend, an unknown model): the
   speed is recorded, not judged.
 
-The compiled graphs' device memory against the planner's figure is not checked here yet: the documented sources
-(the runtime's per-NEFF usage log at `NEURON_RT_LOG_LEVEL_TDRV=info`, sysfs `memory_usage/device_mem`, the scratchpad
-variables of a NEFF's `def.json`) need the graphs loaded on the device or an undocumented container format.
+The compiled graphs' device memory against the planner's figure is not checked here yet. The compiler already
+refuses a graph whose own HBM need (I/O tensors, scratchpad, spills) exceeds the device (NCC_EOOM001/002), so the
+compile stage fails such a run; the total with the weights and optimizer state that torch-xla keeps on the device
+is known only once the graphs are loaded: the runtime's per-NEFF usage (`NEURON_RT_LOG_LEVEL_TDRV=info`), sysfs
+`.../stats/memory_usage/device_mem` and neuron-monitor's `memory_used` (Neuron's "Neuron Device Memory" guide), the
+last of which `monitor neuron` publishes while training runs. A NEFF's `def.json` states its scratchpad variables,
+but the NEFF container that holds it has no published format.
 """
 
 from __future__ import annotations
@@ -432,10 +436,11 @@ def verify_nodes(run_dir: Path) -> int:
     return 0
 
 
-def note(path: Path) -> str | None:
-    """One line for `status`: the failure, or nothing."""
+def note(path: Path) -> str:
+    """One line for `status`: the failure, else the nodes that passed."""
     try:
-        failure = json.loads(path.read_text()).get("failure")
-    except (ValueError, OSError, AttributeError):
+        result = json.loads(path.read_text())
+        failure, nodelist = result.get("failure"), result["nodelist"]
+    except (ValueError, OSError, AttributeError, KeyError):
         return f"{path}: not a preflight result"
-    return str(failure) if failure else None
+    return str(failure) if failure else f"passed on {nodelist or 'this host'}"

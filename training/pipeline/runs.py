@@ -660,7 +660,7 @@ def stage_states(run_dir: Path) -> list[dict[str, Any]]:
         if stage == "preflight" and (run_dir / "preflight.json").is_file():
             from training.pipeline.preflight import note
 
-            row["note"] = note(run_dir / "preflight.json") or row.get("note")
+            row["note"] = note(run_dir / "preflight.json")
         if state not in ("COMPLETED", "PENDING", "RUNNING", "UNKNOWN") and job:
             log = run_dir / "logs" / f"{stage}-{job}.out"
             row["log"] = str(log)
