@@ -182,3 +182,19 @@ def test_the_status_note_is_the_failure_else_the_nodes_that_passed(tmp_path: Pat
     assert preflight.note(result) == line
     result.write_text("[]")
     assert preflight.note(result) == f"{result}: not a preflight result"
+
+
+def test_a_site_may_skip_the_preflight_and_training_then_waits_for_compile(tmp_path: Path) -> None:
+    from training.config.site import Site
+    from training.pipeline.runs import dependency_option, plan_run
+
+    recipe = load_recipe("tiny-llama-cpt")
+    jobs = {"compile": "11", "preflight": "12"}
+    checked = plan_run(recipe, Site(runs_root=str(tmp_path)), "run")
+    train = next(stage for stage in checked.stages if stage.name == "train")
+    assert [s.name for s in checked.stages].index("preflight") == [s.name for s in checked.stages].index("train") - 1
+    assert dependency_option(train, jobs) == "--dependency=afterok:11:12"
+    skipped = plan_run(recipe, Site(runs_root=str(tmp_path), preflight=False), "run")
+    assert "preflight" not in [s.name for s in skipped.stages]
+    unchecked = next(stage for stage in skipped.stages if stage.name == "train")
+    assert dependency_option(unchecked, {"compile": "11"}) == "--dependency=afterok:11"  # no preflight job: compile
