@@ -54,6 +54,7 @@ EXAMPLES = {  # one per subcommand, shown by --help; {prog} is `python -m traini
     "export": "{prog} export --run-dir RUN_DIR --output s3://BUCKET/results/RUN_ID --push-to-hub OWNER/NAME",
     "compile-cache restore": "{prog} compile-cache restore --run-dir /fsx/runs/llama31-8b-cpt-20250601-120000",
     "compile-cache save": "{prog} compile-cache save --run-dir /fsx/runs/llama31-8b-cpt-20250601-120000",
+    "preflight": "{prog} preflight --run-dir /fsx/runs/llama31-8b-cpt-20250601-120000 --node",
     "monitor cluster": "{prog} monitor cluster --site /fsx/pipeline/site-default.yaml --dry-run",
     "monitor neuron": "{prog} monitor neuron --site /fsx/pipeline/site-default.yaml",
 }
@@ -363,6 +364,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fetch.add_argument("--output", metavar="DIR", help="with --tokenizer-only: where (default: model.config)")
 
+    preflight = _command(
+        commands,
+        "preflight",
+        "the preflight stage's checks of the training nodes (run by its job: --node on every node, then once)",
+        prog,
+        EXAMPLES["preflight"],
+    )
+    preflight.add_argument("--run-dir", required=True, type=Path, help="run directory (<runs_root>/<run-id>)")
+    step = preflight.add_mutually_exclusive_group()
+    step.add_argument("--node", action="store_true", help="this node's checks, written to <run>/preflight/<node>.json")
+    step.add_argument(
+        "--verify", action="store_true", help="in the training job: say whether it runs on the checked nodes"
+    )
+
     monitor = commands.add_parser(
         "monitor",
         help="publish the cluster's metrics to CloudWatch (the site's metrics_namespace and region)",
@@ -470,7 +485,8 @@ def _common_arguments(parser: argparse.ArgumentParser, source: str, seq_len: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done, 1 `status` of a failed run, a `plan` that does not fit, an `evaluate` whose gate
-    failed or `monitor neuron` once neuron-monitor has exited, 2 user error (argparse's own errors included)."""
+    failed, `monitor neuron` once neuron-monitor has exited or a `preflight` that found a problem, 2 user error
+    (argparse's own errors included)."""
     arguments = build_parser().parse_args(argv)
     try:
         setup_logging(training=arguments.command == "train")
@@ -486,6 +502,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _monitor(arguments)
         if arguments.command == "compile-cache":
             return _compile_cache(arguments)
+        if arguments.command == "preflight":
+            return _preflight(arguments)
         manifest = _run(arguments)
     except UserError as error:
         report(error)
@@ -684,6 +702,16 @@ def _compile_cache(arguments: argparse.Namespace) -> int:
     action = compile_cache.save if arguments.action == "save" else compile_cache.restore
     print(json.dumps(action(arguments.run_dir), sort_keys=True))
     return 0
+
+
+def _preflight(arguments: argparse.Namespace) -> int:
+    from training.pipeline import preflight
+
+    if arguments.node:
+        return preflight.run_node(arguments.run_dir)
+    if arguments.verify:
+        return preflight.verify_nodes(arguments.run_dir)
+    return preflight.run_job(arguments.run_dir)
 
 
 def _pipeline(arguments: argparse.Namespace) -> int:

@@ -91,9 +91,13 @@ def test_the_forecast_counts_the_flops_the_training_job_reports_mfu_with() -> No
     assert llama is not None and flops_per_token(llama, 8192) / 1e9 == pytest.approx(57.91, abs=0.01)
 
 
-def test_the_planners_prices_are_the_instance_tables() -> None:
+def test_the_planners_prices_and_devices_are_the_instance_tables() -> None:
+    """The training side's facts (prices for the forecast, device counts for the preflight) are the stacks'."""
     for name, hardware in HARDWARE.items():
-        assert hardware.usd_per_hour == COMPUTE_INSTANCE_TYPES[name].usd_per_hour, name
+        facts = COMPUTE_INSTANCE_TYPES[name]
+        assert hardware.usd_per_hour == facts.usd_per_hour, name
+        assert (hardware.neuron_devices, hardware.efa_devices) == (facts.neuron_devices, facts.efa_devices), name
+        assert hardware.cores_per_node == facts.neuron_cores and bool(hardware.efa_gbps) == facts.efa, name
 
 
 def test_budget_refusal_is_one_line_naming_both_numbers_and_the_override() -> None:

@@ -87,8 +87,8 @@ def test_a_first_run_fetches_its_model_trains_it_and_pushes_the_result(
     run_dir = Path(result["run_dir"])
     rows = runs.wait(run_dir, timeout=900)
     assert {row["stage"]: row["state"] for row in rows} == dict.fromkeys(
-        ["fetch-tokenizer", "fetch", "prepare", "convert-in", "compile", "train", "convert-out", "evaluate"]
-        + ["sample", "export"],
+        ["fetch-tokenizer", "fetch", "prepare", "convert-in", "compile", "preflight", "train", "convert-out"]
+        + ["evaluate", "sample", "export"],
         "COMPLETED",
     ), rows
     fetched = models / "Tiny-Llama"

@@ -219,11 +219,19 @@ def test_hostile_values_arrive_intact_and_never_run(world: World, recipe_name: s
     assert recipe.name == PAYLOAD and recipe.prepare is not None and recipe.prepare.source == PAYLOAD
     site = hostile_site(world, neuron=neuron)
     scripts = render(plan_run(recipe, site, RUN_ID))
-    assert list(scripts) == ["prepare", "convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
+    stages = ["prepare", "convert-in", "compile", "preflight", "train", "convert-out", "evaluate", "sample", "export"]
+    assert list(scripts) == stages
+    preflight = [str(world.python), "-m", "training", "preflight", "--run-dir", str(world.run_dir)]
     for stage, text in scripts.items():
         distributed = stage in ("compile", "train")
-        records = run_script(world, stage, text, recipe.nodes if distributed else 1)
+        records = run_script(world, stage, text, recipe.nodes if distributed or stage == "preflight" else 1)
         python_calls = [r for r in records if r["argv"][0] == str(world.python)]
+        if stage == "preflight":  # on every node (srun), then once; the run directory one word each time
+            assert [r["argv"] for r in python_calls] == [[*preflight, "--node"], preflight], records
+            continue
+        if stage == "train":  # first: are these the checked nodes?
+            assert python_calls[0]["argv"] == [*preflight, "--verify"]
+            python_calls = python_calls[1:]
         assert len(python_calls) == 1, records
         call = python_calls[0]
         nproc = call["argv"][call["argv"].index("--num-proc") + 1] if stage == "prepare" else ""

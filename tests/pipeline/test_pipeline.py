@@ -175,9 +175,23 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     run_dir = reference_runs[name]
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
     record = json.loads((run_dir / "run.json").read_text())
-    stages = ["prepare", "convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
+    stages = ["prepare", "convert-in", "compile", "preflight", "train", "convert-out", "evaluate", "sample", "export"]
     assert record["stages"] == stages
     assert len(record["submissions"]) == 1 and set(record["submissions"][0]["jobs"]) == set(record["stages"])
+    # The preflight passed (not a Neuron site: the write speed only) and the training job ran on its nodes.
+    checked = json.loads((run_dir / "preflight.json").read_text())
+    train_job = record["submissions"][0]["jobs"]["train"]
+    assert checked["failure"] is None and checked["pinned"] == f"job {train_job} pinned to {checked['nodelist']}"
+    train = runs.job_info(train_job, site.slurm_bin)
+    assert train["NodeList"] == train["ReqNodeList"] == checked["nodelist"]
+    assert (
+        f"preflight: training on the checked nodes {checked['nodelist']}"
+        in (run_dir / "logs" / f"train-{train_job}.out").read_text()
+    )
+    for node in checked["nodes"]:
+        checks = checked["results"][node]["checks"]
+        assert checks["devices"] == "not applicable (not a Neuron site)"
+        assert checks["checkpoint_write"]["bytes_per_second"] > 0 and not checks["checkpoint_write"]["judged"]
     exported = Path(site.results) / name
     model = AutoModelForCausalLM.from_pretrained(exported / "hf")
     assert model.config.num_hidden_layers == 2
@@ -254,14 +268,15 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
     run_dir = run("tiny-llama-cpt", world, site, "llama-failing", *extra)
     first = states(run_dir)
     assert first["prepare"] == "COMPLETED" and first["convert-in"] == "FAILED"
-    assert {first[s] for s in ("compile", "train", "convert-out", "evaluate", "sample", "export")} == {"CANCELLED"}
+    cancelled = ("compile", "preflight", "train", "convert-out", "evaluate", "sample", "export")
+    assert {first[s] for s in cancelled} == {"CANCELLED"}
     assert runs.print_status(run_dir)
     printed = capsys.readouterr().out
     assert "convert-in ended FAILED; last lines of" in printed and f"--input {late}: no such directory" in printed
 
     shutil.copytree(sources["llama"]["hf"], late)
     resumed = runs.submit("tiny-llama-cpt", overrides(world, *extra), run_id="llama-failing", site=site, dry_run=False)
-    assert list(resumed["jobs"]) == ["convert-in", "compile", "train", "convert-out", "evaluate", "sample", "export"]
+    assert list(resumed["jobs"]) == ["convert-in", *cancelled]
     assert resumed["kept"] == {}  # nothing of the failed run was queued any more
     assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
 
@@ -286,6 +301,132 @@ def test_a_failed_evaluation_still_samples_and_exports_and_status_shows_it(
     runs.print_status(run_dir)
     printed = capsys.readouterr().out
     assert "evaluate ended FAILED; last lines of" in printed and "'no_such_task' not known" in printed
+
+
+NEURON_TOOLS = ROOT / "tests" / "support" / "neuron_tools"
+
+
+def neuron_site(site: Site, tmp_path: Path) -> Site:
+    """The site as a Neuron site: the Neuron environment's directory (its `python`, and the stand-ins for
+    neuron_parallel_compile and nccom-test beside it, as the environment and aws-neuronx-tools put them on the
+    job's PATH), EFA, one process a node."""
+    environment = tmp_path / "neuron-env" / "bin"
+    environment.mkdir(parents=True)
+    (environment / "python").write_text(f'#!/bin/bash\nexec {sys.executable} "$@"\n')
+    (environment / "python").chmod(0o755)
+    for tool in NEURON_TOOLS.iterdir():
+        (environment / tool.name).symlink_to(tool)
+    update = {"python": str(environment / "python"), "neuron": True, "efa": True, "processes_per_node": 1}
+    return site.model_copy(update={**update, "compile_cache": str(tmp_path / "neuron-cache")})
+
+
+def preflight_drained(slurm: Any) -> dict[str, str]:
+    """Nodes a preflight drained, with the reason."""
+    reasons = {}
+    for line in slurm.run("scontrol", "show", "node", "--oneliner").stdout.splitlines():
+        name = line.split("NodeName=", 1)[1].split(" ", 1)[0]
+        reason = line.split(" Reason=", 1)[1].split(" [", 1)[0] if " Reason=" in line else ""
+        if reason.startswith("preflight:"):
+            reasons[name] = reason
+    return reasons
+
+
+@pytest.mark.parametrize(
+    ("busbw", "line", "drained"),
+    [
+        (  # its own all-reduce slow: that node is named and drained
+            "1:5.0",
+            "preflight: node {slow}: all-reduce within the node bus bandwidth 5.0 GB/s below the floor 21.1 GB/s of "
+            "trn1.32xlarge",
+            True,
+        ),
+        (  # each node's own above its floor, the all-reduce across both below EFA's: both named, none drained
+            "1:22.0",
+            "preflight: nodes {nodes}: all-reduce across 2 nodes bus bandwidth 22.0 GB/s below the floor 23.3 GB/s of "
+            "trn1.32xlarge (each node's own checks passed; none drained)",
+            False,
+        ),
+    ],
+    ids=["slow-node", "slow-across-nodes"],
+)
+def test_a_slow_node_fails_the_preflight_in_one_line_and_training_never_starts(
+    busbw: str,
+    line: str,
+    drained: bool,
+    slurm: Any,
+    sources: dict[str, dict[str, Path]],
+    site: Site,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Neuron site of 2 nodes with their devices (a fake tree); the nccom-test stand-in reports the second
+    node's bus bandwidth as given (across nodes: the lower one, learnt over srun in the job's allocation as the
+    real Slurm mode runs): the preflight fails in one line with the node and the number, drains a node it can
+    name with that reason, and the training job and everything after it is cancelled."""
+    from tests.assets.test_on_node_configured import fake_device_tree
+
+    monkeypatch.setenv("DEVICE_ROOT", str(fake_device_tree(tmp_path / "devices", neuron=16, efa=8)))
+    monkeypatch.setenv("NCCOM_TEST_STANDIN_BUSBW", busbw)  # sbatch exports the environment to the jobs
+    extra = ("steps=2", "checkpoint.every=2", "nodes=2")
+    run_id = f"llama-preflight-{busbw.replace(':', '-').replace('.', '-')}"
+    run_dir = run("tiny-llama-cpt", sources["llama"], neuron_site(site, tmp_path), run_id, *extra)
+    try:
+        final = states(run_dir)
+        assert final["compile"] == "COMPLETED" and final["preflight"] == "FAILED", final
+        assert {final[s] for s in ("train", "convert-out", "evaluate", "sample", "export")} == {"CANCELLED"}
+        checked = json.loads((run_dir / "preflight.json").read_text())
+        expected = line.format(slow=checked["nodes"][1], nodes=",".join(checked["nodes"]))
+        assert checked["failure"] == (f"{expected} (drained)" if drained else expected) and "pinned" not in checked
+        assert checked["results"][checked["nodes"][0]]["problems"] == []
+        assert preflight_drained(slurm) == ({checked["nodes"][1]: expected} if drained else {})
+        assert ("DRAIN" in slurm.node_states()[checked["nodes"][1]]) == drained
+        runs.print_status(run_dir)
+        printed = capsys.readouterr().out
+        job = runs.latest_jobs(runs.read_run(run_dir))["preflight"]
+        assert f"{'preflight':<12} {job:>8} {'FAILED':<12}" in printed
+        assert printed.count(expected) >= 2  # the stage's note and the tail of its log
+    finally:
+        for node in preflight_drained(slurm):  # the other tests share the cluster
+            slurm.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
+
+
+RUNUSER = shutil.which("runuser", path="/usr/sbin:/sbin:/usr/bin:/bin")  # the test's own PATH is a node's
+
+
+def test_a_jobs_owner_may_pin_its_pending_job_but_only_an_operator_drains(slurm: Any) -> None:
+    """What the preflight relies on, as Slurm decides it for a user who is no Slurm operator (ParallelCluster's
+    cluster user): `scontrol update JobId=... ReqNodeList=...` of the user's own pending job is allowed, a drain
+    is refused (the preflight then tries `sudo -n`)."""
+    import tempfile
+
+    assert RUNUSER is not None, "runuser (util-linux) is missing"
+    shared = Path(tempfile.mkdtemp(prefix="pin-check-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        conf = shared / "slurm.conf"
+        shutil.copy(slurm.state_dir / "slurm.conf", conf)
+        conf.chmod(0o644)
+        (shared / "held.sh").write_text(f"#!/bin/bash\n#SBATCH --output={shared}/held-%j.out\ntrue\n")
+
+        def as_nobody(*command: str) -> subprocess.CompletedProcess[str]:
+            environment = {"PATH": "/usr/bin:/bin", "SLURM_CONF": str(conf)}
+            runuser = [RUNUSER, "-u", "nobody", "--", "/usr/bin/env", *(f"{k}={v}" for k, v in environment.items())]
+            return subprocess.run([*runuser, *command], capture_output=True, text=True, timeout=30, check=False)
+
+        submitted = as_nobody("sbatch", "--parsable", "--hold", f"--chdir={shared}", str(shared / "held.sh"))
+        assert submitted.returncode == 0, submitted.stderr
+        job = submitted.stdout.strip()
+        try:
+            node = slurm.nodes[-1]
+            assert as_nobody("scontrol", "update", f"JobId={job}", f"ReqNodeList={node}").returncode == 0
+            assert f"ReqNodeList={node} " in slurm.run("scontrol", "show", "job", "-o", job).stdout
+            refused = as_nobody("scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=pin check")
+            assert refused.returncode != 0 and "DRAIN" not in slurm.node_states()[node], refused.stderr
+        finally:
+            slurm.run("scancel", job, check=False)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def submit_killed_after(stage: str, run_id: str, world: dict[str, Path], site: Site, tmp_path: Path) -> Any:
@@ -324,7 +465,7 @@ def test_a_killed_submit_is_completed_by_its_rerun_with_one_job_per_stage(
     world = overrides(sources["llama"], "steps=4", "checkpoint.every=2")
     result = runs.submit("tiny-llama-cpt", world, run_id="llama-killed-submit", site=site, dry_run=False)
     assert result["kept"]["compile"] == compile_job  # with prepare and convert-in while they are queued
-    assert list(result["jobs"]) == ["train", "convert-out", "evaluate", "sample", "export"]  # none kept too
+    assert list(result["jobs"]) == ["preflight", "train", "convert-out", "evaluate", "sample", "export"]  # none kept
     rerun = Path(result["run_dir"])
     assert set(states(rerun).values()) == {"COMPLETED"}, runs.stage_states(rerun)
     assert recorded_jobs(run_dir)["compile"] == compile_job

@@ -46,8 +46,8 @@ def rendered(recipe: str, site: Site) -> dict[str, str]:
 @pytest.mark.parametrize("recipe", CLUSTER_RECIPES)
 def test_cluster_scripts_match_the_reviewed_snapshots(recipe: str) -> None:
     scripts = rendered(recipe, default_site())
-    stages = ["fetch-tokenizer", "fetch", "prepare", "convert-in", "compile", "train", "convert-out", "evaluate"]
-    stages += ["sample", "export"]
+    stages = ["fetch-tokenizer", "fetch", "prepare", "convert-in", "compile", "preflight", "train", "convert-out"]
+    stages += ["evaluate", "sample", "export"]
     assert list(scripts) == stages
     folder = SNAPSHOTS / recipe
     if os.environ.get("UPDATE_SNAPSHOTS"):
@@ -64,11 +64,12 @@ def test_cluster_scripts_carry_the_cluster_settings() -> None:
     for stage, text in scripts.items():
         assert f"#SBATCH --job-name=RUN-ID-{stage}\n" in text
         assert f"#SBATCH --output=/fsx/runs/RUN-ID/logs/{stage}-%j.out\n" in text
-        queue = "compute1" if stage in ("compile", "train") else "cpu"  # the CPU stages never hold a trn1 node
+        queue = "compute1" if stage in ("compile", "preflight", "train") else "cpu"  # CPU stages hold no trn1 node
         assert "#SBATCH --exclusive\n" in text and f"#SBATCH --partition={queue}\n" in text
         assert "FI_PROVIDER=efa" in text and "--cache_dir=/fsx/neuron-cache" in text
         assert "gpu" not in text.lower() and "cuda" not in text.lower() and "nccl" not in text.lower()
     assert "#SBATCH --nodes=4\n" in scripts["train"] and "#SBATCH --requeue\n" in scripts["train"]
+    assert "#SBATCH --nodes=4\n" in scripts["preflight"] and "#SBATCH --no-requeue\n" in scripts["preflight"]
     assert "--nproc_per_node 32" in scripts["train"] and '--node_rank "${SLURM_NODEID}"' in scripts["train"]
     assert (
         "'/fsx/envs/neuron-2.28.1/bin/neuron_parallel_compile --retry_failed_compilation /fsx/envs/neuron-"

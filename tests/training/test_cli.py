@@ -75,6 +75,7 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         "monitor neuron",
         "compile-cache save",
         "compile-cache restore",
+        "preflight",
     }
     for name in ("prepare pretrain", "prepare sft", "convert", "sample", "evaluate", "export"):
         assert "--output" in options(commands[name]), name  # what the command writes
@@ -84,7 +85,8 @@ def test_the_same_flag_names_for_the_same_idea() -> None:
         assert "--site" in options(commands[name]), name
     for name in ("train", "plan", "submit", "sample", "evaluate", "fetch"):
         assert "--recipe" in options(commands[name]), name
-    assert "--run-dir" in options(commands["export"])
+    for name in ("export", "preflight"):
+        assert "--run-dir" in options(commands[name]), name
     retired = {"--out", "--env-file", "--model"}
     assert not [(name, options(p) & retired) for name, p in commands.items() if options(p) & retired]
     assert "--to" not in options(commands["export"])  # `convert --to` names a format and stays

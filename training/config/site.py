@@ -99,6 +99,11 @@ class Site(StrictModel):
         None, description="the deployment's function that promotes a staged compile cache (its name or ARN)"
     )
     max_restarts: Restarts = Field(3, description="requeues of a failed training job before it fails for good")
+    preflight: Bool = Field(
+        True,
+        description="check the training nodes before training (devices, all-reduce, write speed; "
+        "training/pipeline/preflight.py); false skips the stage",
+    )
     time_minutes: TimeMinutes = Field(0, description="per-job time limit; 0: none")
     region: Annotated[
         str | None, Strict(), Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d+$"), Allowed("an AWS region such as us-west-2")

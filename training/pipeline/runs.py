@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -76,7 +76,10 @@ STAGES = (
     Stage("prepare", ("fetch-tokenizer",)),
     Stage("convert-in", ("fetch",)),
     Stage("compile", ("prepare", "convert-in", "fetch"), distributed=True),
-    Stage("train", ("compile",), distributed=True),
+    # The training nodes checked before training starts (training/pipeline/preflight.py); site.preflight: false
+    # skips it, and train then waits for compile itself.
+    Stage("preflight", ("compile",), distributed=True),
+    Stage("train", ("compile", "preflight"), distributed=True),
     Stage("convert-out", ("train",)),
     Stage("evaluate", ("convert-out",)),
     Stage("sample", ("convert-out",)),
@@ -205,6 +208,7 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
     skipped |= set() if fetches_tokenizer else {"fetch-tokenizer"}
     skipped |= {"convert-in"} if recipe.model.pretrained is None else set()
     skipped |= {"evaluate"} if recipe.evaluate is None else set()
+    skipped |= set() if site.preflight else {"preflight"}
     stages = [s for s in STAGES if s.name not in skipped]
     if recipe.prepare is not None:
         if recipe.data.kind not in (None, recipe.prepare.kind):  # the train stage would refuse what prepare makes
@@ -428,6 +432,7 @@ def render(plan: RunPlan) -> dict[str, str]:
             "python_bin": os.path.dirname(python),
             "scontrol": f"{slurm}scontrol",
             "srun": f"{slurm}srun",
+            "slurm_bin": site.slurm_bin,
         }
         if stage.distributed:
             context |= {
@@ -444,7 +449,8 @@ def render(plan: RunPlan) -> dict[str, str]:
                 "precision": recipe.precision,
                 "precision_environment": NEURON_ENVIRONMENT[recipe.precision],
             }
-            scripts[stage.name] = environment.get_template("distributed.sbatch.j2").render(context)
+            template = "preflight.sbatch.j2" if stage.name == "preflight" else "distributed.sbatch.j2"
+            scripts[stage.name] = environment.get_template(template).render(context)
         else:
             context["command"] = stage_command(plan, stage)
             scripts[stage.name] = environment.get_template("single.sbatch.j2").render(context)
@@ -525,11 +531,13 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
             f"run {plan.run_id} was submitted with other settings; submit with a new --run-id "
             f"(or the same recipe and overrides to resume it)"
         )
-    todo = [s for s in plan.stages if not (plan.run_dir / "state" / f"{s.name}.done").exists()]
+    done = {s.name for s in plan.stages if (plan.run_dir / "state" / f"{s.name}.done").exists()}
+    todo = stages_to_submit(plan.stages, done)
     if not todo:
         print(f"run {plan.run_id} has finished every stage; nothing submitted")
         return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": {}, "submitted": False}
     queued = queued_jobs(plan.run_dir, site.slurm_bin) if previous is not None else {}
+    todo = stages_to_submit(plan.stages, done, set(queued))
     if all(stage.name in queued for stage in todo):
         print(f"run {plan.run_id} is queued or running (jobs {', '.join(queued.values())}); nothing submitted")
         return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": queued, "submitted": False}
@@ -568,6 +576,13 @@ def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: 
     also = f"; kept queued or running: {', '.join(f'{s}={j}' for s, j in kept.items())}" if kept else ""
     print(f"run {plan.run_id}: submitted {', '.join(f'{s}={j}' for s, j in jobs.items())}{resumed}{also}")
     return {"run_id": plan.run_id, "run_dir": str(plan.run_dir), "jobs": jobs, "kept": kept, "submitted": True}
+
+
+def stages_to_submit(stages: Sequence[Stage], done: set[str], queued: Collection[str] = ()) -> list[Stage]:
+    """The unfinished stages; the preflight again whenever a training job is to be submitted, since it may get
+    other nodes than those checked before (not for a training job still queued: its preflight pinned it)."""
+    again = {"preflight"} if "train" not in done and "train" not in queued else set()
+    return [stage for stage in stages if stage.name not in done or stage.name in again]
 
 
 def dependency_option(stage: Stage, jobs: dict[str, str]) -> str | None:
@@ -644,6 +659,10 @@ def stage_states(run_dir: Path) -> list[dict[str, Any]]:
                 )
         if stage == "evaluate" and (run_dir / "evaluation.json").is_file():
             row["note"] = evaluation_note(run_dir / "evaluation.json")
+        if stage == "preflight" and (run_dir / "preflight.json").is_file():
+            from training.pipeline.preflight import note
+
+            row["note"] = note(run_dir / "preflight.json")
         if state not in ("COMPLETED", "PENDING", "RUNNING", "UNKNOWN") and job:
             log = run_dir / "logs" / f"{stage}-{job}.out"
             row["log"] = str(log)

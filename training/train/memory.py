@@ -44,13 +44,20 @@ class Hardware:
     hbm_gib_per_core: float
     vcpus: int  # what ParallelCluster gives the Slurm node (EC2's DefaultVCpus): the jobs' --cpus-per-task
     usd_per_hour: float  # on-demand list price, us-west-2 (stacks/instance_types.py's, which a test keeps equal)
+    neuron_devices: int = 0  # /dev/neuron* on a healthy node (stacks/instance_types.py's; the preflight counts them)
+    efa_devices: int = 0  # /sys/class/infiniband/* on a healthy node (likewise)
+    efa_gbps: int = 0  # EFA line rate (Neuron's Trn1/Trn1n architecture page); 0: no EFA, a single node
 
 
 # Trainium1: 16 chips x 2 NeuronCore-v2, 32 GiB HBM a chip (trn1.2xlarge: one chip).
 HARDWARE: dict[str, Hardware] = {
-    "trn1.32xlarge": Hardware("trn1.32xlarge", 32, 16.0, vcpus=128, usd_per_hour=21.50),
-    "trn1n.32xlarge": Hardware("trn1n.32xlarge", 32, 16.0, vcpus=128, usd_per_hour=24.78),
-    "trn1.2xlarge": Hardware("trn1.2xlarge", 2, 16.0, vcpus=8, usd_per_hour=1.34375),
+    "trn1.32xlarge": Hardware(
+        "trn1.32xlarge", 32, 16.0, vcpus=128, usd_per_hour=21.50, neuron_devices=16, efa_devices=8, efa_gbps=800
+    ),
+    "trn1n.32xlarge": Hardware(
+        "trn1n.32xlarge", 32, 16.0, vcpus=128, usd_per_hour=24.78, neuron_devices=16, efa_devices=16, efa_gbps=1600
+    ),
+    "trn1.2xlarge": Hardware("trn1.2xlarge", 2, 16.0, vcpus=8, usd_per_hour=1.34375, neuron_devices=1),
 }
 DEFAULT_HARDWARE = HARDWARE["trn1.32xlarge"]
 

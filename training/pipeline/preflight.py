@@ -1,0 +1,446 @@
+"""The canary before scale-out: the `preflight` stage checks the nodes the training job will get before it
+starts, and fails in one line naming the node and the number.
+
+It runs after compile, as a job of the training job's size on the training partition, in two steps:
+
+1. on every node (`srun`, one task a node: `python -m training preflight --run-dir R --node`): the node's Neuron
+   and EFA devices (the prolog's test, `assets/node/on_node_configured.sh`), an all-reduce over the node's own
+   NeuronCores with Neuron's collective test (`nccom-test`, aws-neuronx-tools), and the shared file system's write
+   speed for the node's share of a checkpoint; each node writes `<run>/preflight/<node>.json`;
+2. on the job's first node (`python -m training preflight --run-dir R`): the all-reduce across all nodes over EFA
+   (`nccom-test --slurm-mode` in the job's own allocation), the decision, `<run>/preflight.json`. A failing node is
+   drained with the reason (`scontrol update NodeName=... State=DRAIN Reason=...`; ParallelCluster replaces a
+   drained static node under the same name) and the job fails, so the training job (`afterok`) never starts. On
+   success the pending training job is pinned to the checked nodes (`ReqNodeList`).
+
+On a site without Neuron (the local demo) the Neuron checks are "not applicable" and the write speed is still
+measured, so the graph and the pinning are the same everywhere. A Neuron site without `instance_type` is checked
+against trn1.32xlarge's facts, as `submit` plans its memory.
+
+Floors (each a stated fraction of a published figure):
+- across nodes: a quarter of the instance type's EFA line rate (trn1.32xlarge 800 Gbps, trn1n.32xlarge 1,600 Gbps:
+  Neuron's Trn1/Trn1n architecture page) in nccom-test's unit (GiB/s of bus bandwidth). Neuron's own two-instance
+  example in the nccom-test guide reaches about half the line rate at 256 MiB to 1 GiB; a quarter catches a node
+  whose traffic falls back from EFA (a dead card, TCP) without failing on normal variation;
+- within a node: 40 % of the single-instance all-reduce of the nccom-test guide (52.83 GiB/s at 1 GiB fp32), the
+  only published figure; it catches a broken device link, not a few percent of loss;
+- the checkpoint: the node's share must be written within `CHECKPOINT_WRITE_FRACTION` of the time between two
+  checkpoints (checkpoint.every x the forecast's step time). No forecast (the CPU backend, an unknown model): the
+  speed is recorded, not judged.
+
+The compiled graphs' device memory against the planner's figure is not checked here yet. The compiler already
+refuses a graph whose own HBM need (I/O tensors, scratchpad, spills) exceeds the device (NCC_EOOM001/002), so the
+compile stage fails such a run; the total with the weights and optimizer state that torch-xla keeps on the device
+is known only once the graphs are loaded: the runtime's per-NEFF usage (`NEURON_RT_LOG_LEVEL_TDRV=info`), sysfs
+`.../stats/memory_usage/device_mem` and neuron-monitor's `memory_used` (Neuron's "Neuron Device Memory" guide), the
+last of which `monitor neuron` publishes while training runs. A NEFF's `def.json` states its scratchpad variables,
+but the NEFF container that holds it has no published format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from training import outputs
+from training.config.recipe import Recipe, load_recipe
+from training.config.site import Site
+from training.errors import UserError
+from training.train.memory import (
+    DEFAULT_HARDWARE,
+    GIB,
+    Hardware,
+    model_config,
+    parameters_per_core,
+    state_bytes_per_parameter,
+    workload_of,
+)
+
+RESULT = "preflight.json"
+NODES_DIR = "preflight"  # <run>/preflight/<node>.json, and the write test's scratch files
+NCCOM_TEST = "nccom-test"
+NEURON_TOOLS_BIN = "/opt/aws/neuron/bin"  # aws-neuronx-tools; not on a job's PATH (the profile script adds it)
+DEVICE_ROOT_VARIABLE = "DEVICE_ROOT"  # a fake device tree in tests, as for the prolog
+
+EFA_FLOOR_FRACTION = 0.25
+INTRA_NODE_REFERENCE_GIBPS = 52.83  # nccom-test guide: single-instance all-reduce, 1 GiB fp32
+INTRA_NODE_FLOOR_FRACTION = 0.40
+CHECKPOINT_WRITE_FRACTION = 0.10
+WRITE_SAMPLE_MAX_BYTES = GIB  # what each node writes to measure; the projection scales it to the real share
+ALLREDUCE_BYTES = "1GB"  # nccom-test's size unit; the size whose bus bandwidth is judged
+NCCOM_TIMEOUT_S = 900
+
+
+# --- decisions --------------------------------------------------------------------------------------------
+
+
+def device_problem(neuron: int, neuron_expected: int, efa: int, efa_expected: int) -> str | None:
+    """The prolog's test and words: what is missing, or None."""
+    problems = []
+    if neuron < neuron_expected:
+        problems.append(f"{neuron} of {neuron_expected} Neuron devices")
+    if efa < efa_expected:
+        problems.append(f"{efa} of {efa_expected} EFA devices")
+    return ", ".join(problems) or None
+
+
+def bus_bandwidth(report: str) -> float:
+    """The bus bandwidth (GiB/s) at the largest size of an nccom-test `--report-to-json-file` report: the
+    collective's steady state, where the average over a sweep mixes in latency-bound small sizes."""
+    try:
+        results = json.loads(report)["results"]
+        largest = max(results, key=lambda row: row["size(B)"])
+        return float(largest["busbw(GB/s)"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise UserError(f"nccom-test report without results ({type(error).__name__}: {error})") from None
+
+
+def efa_floor(hardware: Hardware) -> float | None:
+    """The all-reduce bus bandwidth floor across nodes, GiB/s; None for a type without EFA (single node)."""
+    if not hardware.efa_gbps:
+        return None
+    return round(hardware.efa_gbps * 1e9 / 8 / 2**30 * EFA_FLOOR_FRACTION, 1)
+
+
+def intra_node_floor() -> float:
+    return round(INTRA_NODE_REFERENCE_GIBPS * INTRA_NODE_FLOOR_FRACTION, 1)
+
+
+def bandwidth_problem(measured: float, floor: float, what: str, hardware: Hardware) -> str | None:
+    if measured >= floor:
+        return None
+    return f"{what} bus bandwidth {measured:.1f} GB/s below the floor {floor:.1f} GB/s of {hardware.name}"
+
+
+def checkpoint_bytes_per_node(recipe: Recipe, hardware: Hardware, processes_per_node: int) -> int | None:
+    """What one node writes for a checkpoint: each of its ranks' weights and optimizer state (the planner's
+    per-core counts; gradients are not saved). None when the model's config is unknown."""
+    config = model_config(recipe)
+    if config is None:
+        return None
+    layout = dataclasses.replace(hardware, cores_per_node=processes_per_node)
+    workload = workload_of(recipe, config, layout)
+    sizes = state_bytes_per_parameter(workload)
+    per_rank = parameters_per_core(workload) * (sizes["weights"] + sizes["optimizer state"])
+    return int(per_rank * processes_per_node)
+
+
+def checkpoint_interval(every: int, step_seconds: float | None) -> float | None:
+    """Seconds between two checkpoints; None when unknown (no forecast) or when only the end is saved."""
+    if not every or step_seconds is None:
+        return None
+    return every * step_seconds
+
+
+def write_problem(bytes_per_second: float, node_bytes: int, interval_seconds: float | None) -> str | None:
+    """The node's share of a checkpoint at the measured speed against the time the interval allows."""
+    if interval_seconds is None or node_bytes <= 0:
+        return None
+    seconds = node_bytes / bytes_per_second
+    allowed = interval_seconds * CHECKPOINT_WRITE_FRACTION
+    if seconds <= allowed:
+        return None
+    return (
+        f"shared storage writes {bytes_per_second / 1e6:.0f} MB/s: its {node_bytes / 1e9:.1f} GB of a checkpoint "
+        f"take {seconds:.0f} s, more than {CHECKPOINT_WRITE_FRACTION:.0%} of the {interval_seconds:.0f} s between "
+        "checkpoints"
+    )
+
+
+def failure_line(node: str, problem: str) -> str:
+    return f"preflight: node {node}: {problem}"
+
+
+def failed_nodes(nodes: list[str], results: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Per failing node its first problem; a node without a result failed before it could report."""
+    failed: dict[str, str] = {}
+    for node in nodes:
+        result = results.get(node)
+        if result is None:
+            failed[node] = "no result (the node's check did not finish; see the job's log)"
+        elif result.get("problems"):
+            failed[node] = result["problems"][0]
+    return failed
+
+
+# --- the node ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    run_dir: Path
+    site: Site
+    recipe: Recipe
+    hardware: Hardware | None  # None: not a Neuron site, the Neuron checks do not apply
+    processes_per_node: int
+    step_seconds: float | None
+
+
+def load_context(run_dir: Path) -> Context:
+    from training.pipeline import runs
+
+    run = runs.read_run(run_dir)
+    site = Site(**run["site"])
+    recipe = load_recipe(str(run_dir / "recipe.yaml"))
+    hardware = (runs.site_hardware(site) or DEFAULT_HARDWARE) if site.neuron else None
+    forecast = runs.site_forecast(recipe, site)
+    return Context(
+        run_dir,
+        site,
+        recipe,
+        hardware,
+        runs.processes_per_node(recipe, site),
+        forecast.step_seconds if forecast is not None else None,
+    )
+
+
+def node_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def count_devices(root: str) -> tuple[int, int]:
+    """/dev/neuron<N> and /sys/class/infiniband/* under `root` (empty: the real tree)."""
+    base = Path(root or "/")
+    neuron = [p for p in (base / "dev").glob("neuron*") if re.fullmatch(r"neuron[0-9]+", p.name)]
+    efa_dir = base / "sys" / "class" / "infiniband"
+    efa = list(efa_dir.iterdir()) if efa_dir.is_dir() else []
+    return len(neuron), len(efa)
+
+
+def nccom_test() -> str:
+    """nccom-test on PATH, else where aws-neuronx-tools installs it."""
+    path = os.environ.get("PATH", "") + os.pathsep + NEURON_TOOLS_BIN
+    found = shutil.which(NCCOM_TEST, path=path)
+    if found is None:
+        raise UserError(f"{NCCOM_TEST}: not found on PATH or in {NEURON_TOOLS_BIN} (aws-neuronx-tools)")
+    return found
+
+
+def run_allreduce(ranks: int, nodes: int, extra: list[str]) -> float:
+    """One all-reduce of ALLREDUCE_BYTES in fp32 with nccom-test; its bus bandwidth, GiB/s."""
+    with tempfile.TemporaryDirectory(prefix="nccom-") as scratch:
+        report = Path(scratch) / "report.json"
+        command = [nccom_test(), "-r", str(ranks), "-N", str(nodes), "-b", ALLREDUCE_BYTES, "-e", ALLREDUCE_BYTES]
+        command += ["-d", "fp32", "--non-interactive", "--report-to-json-file", str(report), "allr", *extra]
+        print("$ " + " ".join(command), file=sys.stderr, flush=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=NCCOM_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise UserError(f"nccom-test did not finish within {NCCOM_TIMEOUT_S} s") from None
+        sys.stderr.write(done.stdout + done.stderr)
+        if done.returncode or not report.is_file():
+            last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
+            raise UserError(f"nccom-test failed (exit status {done.returncode}): {last[0]}")
+        return bus_bandwidth(report.read_text())
+
+
+def measure_write(directory: Path, size: int) -> float:
+    """Bytes per second of writing `size` bytes to the shared file system, flushed to it (fsync)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(min(size, 16 * 2**20))
+    path = directory / f".write-test-{node_name()}-{os.getpid()}"
+    start = time.monotonic()
+    try:
+        with path.open("wb") as stream:
+            left = size
+            while left > 0:
+                left -= stream.write(block[: min(left, len(block))])
+            stream.flush()
+            os.fsync(stream.fileno())
+        seconds = time.monotonic() - start
+    finally:
+        path.unlink(missing_ok=True)
+    return size / max(seconds, 1e-9)
+
+
+def check_node(context: Context) -> dict[str, Any]:
+    """This node's checks, each with its number; `problems` lists what fails, first the most basic."""
+    node = node_name()
+    result: dict[str, Any] = {"node": node, "problems": [], "checks": {}}
+    checks, problems = result["checks"], result["problems"]
+    hardware = context.hardware
+    if hardware is None:
+        checks["devices"] = checks["allreduce_node"] = "not applicable (not a Neuron site)"
+    else:
+        neuron, efa = count_devices(os.environ.get(DEVICE_ROOT_VARIABLE, ""))
+        efa_expected = hardware.efa_devices if context.site.efa else 0  # as the prolog is told
+        checks["devices"] = {"neuron": neuron, "neuron_expected": hardware.neuron_devices, "efa": efa}
+        checks["devices"]["efa_expected"] = efa_expected
+        problem = device_problem(neuron, hardware.neuron_devices, efa, efa_expected)
+        if problem:
+            problems.append(problem)
+        else:
+            floor = intra_node_floor()
+            try:
+                measured = run_allreduce(hardware.cores_per_node, 1, [])
+            except UserError as error:
+                problems.append(f"all-reduce over its {hardware.cores_per_node} NeuronCores: {error}")
+            else:
+                checks["allreduce_node"] = {"busbw_gbps": measured, "floor_gbps": floor}
+                problem = bandwidth_problem(measured, floor, "all-reduce within the node", hardware)
+                if problem:
+                    problems.append(problem)
+    node_bytes = checkpoint_bytes_per_node(context.recipe, hardware or DEFAULT_HARDWARE, context.processes_per_node)
+    sample = min(node_bytes or WRITE_SAMPLE_MAX_BYTES, WRITE_SAMPLE_MAX_BYTES)
+    speed = measure_write(context.run_dir / NODES_DIR, max(sample, 2**20))
+    interval = checkpoint_interval(context.recipe.checkpoint.every, context.step_seconds)
+    checks["checkpoint_write"] = {
+        "bytes_per_second": round(speed),
+        "checkpoint_bytes": node_bytes,
+        "interval_seconds": interval,
+        "allowed_fraction": CHECKPOINT_WRITE_FRACTION,
+        "judged": interval is not None and bool(node_bytes),
+    }
+    problem = write_problem(speed, node_bytes or 0, interval)
+    if problem:
+        problems.append(problem)
+    return result
+
+
+def run_node(run_dir: Path) -> int:
+    context = load_context(run_dir)
+    result = check_node(context)
+    outputs.write_file(run_dir / NODES_DIR / f"{result['node']}.json", json.dumps(result, indent=2) + "\n")
+    print(f"preflight: node {result['node']}: {'; '.join(result['problems']) or 'passed'}", file=sys.stderr)
+    return 0  # the job's own step decides, with every node's result
+
+
+# --- the job ----------------------------------------------------------------------------------------------
+
+
+def _slurm(site: Site, *command: str) -> subprocess.CompletedProcess[str]:
+    from training.pipeline.runs import _run_slurm
+
+    return _run_slurm(site.slurm_bin, *command)
+
+
+def hostnames(site: Site, nodelist: str) -> list[str]:
+    done = _slurm(site, "scontrol", "show", "hostnames", nodelist)
+    if done.returncode:
+        raise UserError(f"scontrol show hostnames {nodelist} failed: {done.stderr.strip()}")
+    return done.stdout.split()
+
+
+def drain(site: Site, node: str, reason: str) -> str:
+    """Drain `node` with the reason: as this user (root or a Slurm operator: the pipeline's SSM submission runs as
+    root), else with `sudo -n` (ParallelCluster's default user may sudo without a password); what happened."""
+    from training.pipeline.runs import slurm_prefix
+
+    arguments = ["update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"]
+    done = _slurm(site, "scontrol", *arguments)
+    if done.returncode == 0:
+        return "drained"
+    sudo = shutil.which("sudo")
+    if sudo is not None:
+        again = subprocess.run(
+            [sudo, "-n", f"{slurm_prefix(site.slurm_bin)}scontrol", *arguments],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if again.returncode == 0:
+            return "drained (sudo)"
+    refusal = done.stderr.strip() or done.stdout.strip()
+    return f"not drained: {refusal} (drain it as an operator: scontrol {' '.join(arguments)})"
+
+
+def pin_training(site: Site, run_dir: Path, nodelist: str) -> str:
+    """The pending training job of this run is given the checked nodes (`ReqNodeList`); what happened."""
+    from training.pipeline.runs import latest_jobs, read_run
+
+    job = latest_jobs(read_run(run_dir)).get("train")
+    if job is None:
+        return "no training job recorded"
+    done = _slurm(site, "scontrol", "update", f"JobId={job}", f"ReqNodeList={nodelist}")
+    if done.returncode:
+        return f"job {job} not pinned: {done.stderr.strip() or done.stdout.strip()}"
+    return f"job {job} pinned to {nodelist}"
+
+
+def run_job(run_dir: Path) -> int:
+    """Every node's results, the all-nodes all-reduce, the decision: 0 when the training job may start."""
+    context = load_context(run_dir)
+    site, hardware = context.site, context.hardware
+    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+    nodes = hostnames(site, nodelist) if nodelist else [node_name()]
+    results: dict[str, dict[str, Any]] = {}
+    for node in nodes:
+        path = run_dir / NODES_DIR / f"{node}.json"
+        if path.is_file():
+            results[node] = json.loads(path.read_text())
+    failed = failed_nodes(nodes, results)
+    record: dict[str, Any] = {"job": os.environ.get("SLURM_JOB_ID"), "nodelist": nodelist, "nodes": nodes}
+    record |= {"results": results, "floors": {}, "instance_type": hardware.name if hardware else None}
+    job_problem = None
+    floor = efa_floor(hardware) if hardware is not None else None
+    if hardware is not None:
+        record["floors"]["allreduce_node_gbps"] = intra_node_floor()
+    if not failed and hardware is not None and site.efa and len(nodes) > 1 and floor is not None:
+        record["floors"]["allreduce_nodes_gbps"] = floor
+        job_id = os.environ.get("SLURM_JOB_ID", "")
+        try:
+            measured = run_allreduce(
+                hardware.cores_per_node * len(nodes), len(nodes), ["--slurm-mode", "--slurm-job-id", job_id]
+            )
+        except UserError as error:
+            job_problem = f"all-reduce across {len(nodes)} nodes: {error}"
+        else:
+            record["allreduce_nodes_gbps"] = measured
+            job_problem = bandwidth_problem(measured, floor, f"all-reduce across {len(nodes)} nodes", hardware)
+    lines = []
+    for node, problem in failed.items():
+        line = failure_line(node, problem)
+        record.setdefault("drained", {})[node] = drain(site, node, line[:200])
+        lines.append(f"{line} ({record['drained'][node]})")
+    if job_problem:
+        lines.append(f"preflight: nodes {','.join(nodes)}: {job_problem} (each node's own checks passed; none drained)")
+    record["failure"] = "; ".join(lines) or None
+    if not lines:
+        record["pinned"] = pin_training(site, run_dir, nodelist) if nodelist else "not in a Slurm job"
+    outputs.write_file(run_dir / RESULT, json.dumps(record, indent=2) + "\n")
+    for line in lines:
+        print(line, file=sys.stderr)
+    if lines:
+        return 1
+    print(f"preflight: {len(nodes)} node(s) passed ({nodelist}); {record['pinned']}", file=sys.stderr)
+    return 0
+
+
+def verify_nodes(run_dir: Path) -> int:
+    """In the training job: say whether it runs on the nodes the preflight checked (a user may have changed the
+    job's nodes, or the preflight was skipped). Never fails the job: it only tells."""
+    path = run_dir / RESULT
+    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+    if not path.is_file():
+        print("preflight: no preflight.json; the nodes were not checked", file=sys.stderr)
+        return 0
+    checked = json.loads(path.read_text())
+    site = load_context(run_dir).site
+    if nodelist and hostnames(site, nodelist) == checked["nodes"]:
+        print(f"preflight: training on the checked nodes {nodelist}", file=sys.stderr)
+    else:
+        print(
+            f"warning: preflight checked {checked['nodelist']}, but this job runs on {nodelist or '(no Slurm job)'}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def note(path: Path) -> str:
+    """One line for `status`: the failure, else the nodes that passed."""
+    try:
+        result = json.loads(path.read_text())
+        failure, nodelist = result.get("failure"), result["nodelist"]
+    except (ValueError, OSError, AttributeError, KeyError):
+        return f"{path}: not a preflight result"
+    return str(failure) if failure else f"passed on {nodelist or 'this host'}"
