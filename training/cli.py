@@ -377,6 +377,17 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument(
         "--verify", action="store_true", help="in the training job: say whether it runs on the checked nodes"
     )
+    step.add_argument(
+        "--canary",
+        action="store_true",
+        help="the decision, which runs COMMAND (the canary's srun) on a Neuron site once the other checks passed",
+    )
+    step.add_argument(
+        "--watch",
+        action="store_true",
+        help="on every node: run COMMAND (the canary's torchrun) while neuron-monitor samples the device memory",
+    )
+    preflight.add_argument("wrapped", nargs="*", metavar="COMMAND", help="after `--`: what --canary or --watch runs")
 
     monitor = commands.add_parser(
         "monitor",
@@ -711,7 +722,11 @@ def _preflight(arguments: argparse.Namespace) -> int:
         return preflight.run_node(arguments.run_dir)
     if arguments.verify:
         return preflight.verify_nodes(arguments.run_dir)
-    return preflight.run_job(arguments.run_dir)
+    if bool(arguments.wrapped) != (arguments.canary or arguments.watch):
+        raise UserError("preflight: a COMMAND after `--` goes with --canary or --watch, and only with them")
+    if arguments.watch:
+        return preflight.watch_canary(arguments.run_dir, arguments.wrapped)
+    return preflight.run_job(arguments.run_dir, arguments.wrapped or None)
 
 
 def _pipeline(arguments: argparse.Namespace) -> int:

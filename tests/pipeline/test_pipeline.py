@@ -391,6 +391,57 @@ def test_a_slow_node_fails_the_preflight_in_one_line_and_training_never_starts(
             slurm.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
 
 
+def test_compiled_graphs_above_the_memory_plan_fail_the_preflight_and_drain_no_node(
+    slurm: Any,
+    sources: dict[str, dict[str, Path]],
+    site: Site,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Neuron site of 2 nodes whose checks pass: the canary runs the compile stage's torchrun without
+    neuron_parallel_compile on both (two steps, its metrics in <run>/preflight, none in the run's training files)
+    while the neuron-monitor stand-in reports 15.2 GiB on a NeuronCore of the second node: the preflight fails in
+    one line with the node and both figures, no node is drained, and training never starts."""
+    from tests.assets.test_on_node_configured import fake_device_tree
+    from training.config.recipe import load_recipe
+    from training.pipeline import preflight
+    from training.train.memory import DEFAULT_HARDWARE, planned_gib_per_core
+
+    monkeypatch.setenv("DEVICE_ROOT", str(fake_device_tree(tmp_path / "devices", neuron=16, efa=8)))
+    monkeypatch.setenv("NEURON_MONITOR_STANDIN_CORE_GIB", "1:15.2")  # node 0: the stand-in's 1.0 GiB
+    extra = ("steps=2", "checkpoint.every=2", "nodes=2")
+    run_dir = run("tiny-llama-cpt", sources["llama"], neuron_site(site, tmp_path), "llama-canary-memory", *extra)
+    try:
+        final = states(run_dir)
+        assert final["compile"] == "COMPLETED" and final["preflight"] == "FAILED", final
+        assert {final[s] for s in ("train", "convert-out", "evaluate", "sample", "export")} == {"CANCELLED"}
+        checked = json.loads((run_dir / "preflight.json").read_text())
+        first, second = checked["nodes"]
+        canary = checked["canary"]
+        planned = planned_gib_per_core(load_recipe(str(run_dir / "recipe.yaml")), DEFAULT_HARDWARE)
+        assert planned is not None and canary["planned_gib_per_core"] == planned and canary["status"] == 0
+        expected = (
+            f"preflight: node {second}: the compiled graphs hold 15.2 GiB on a NeuronCore, above the plan's "
+            f"{planned:.1f} GiB (+10% allowed) (not the node's fault; none drained)"
+        )
+        assert checked["failure"] == expected and "pinned" not in checked and "drained" not in checked
+        assert canary["results"][first]["status"] == 0 and canary["results"][first]["peak_core_bytes"] == 2**30
+        assert canary["memory"] == {second: expected.split(": ", 2)[2].split(" (not")[0]}
+        assert preflight_drained(slurm) == {} and not any("DRAIN" in s for s in slurm.node_states().values())
+        # the canary ran its two steps, with their metrics apart from the run's training files
+        steps = [json.loads(line)["step"] for line in (run_dir / "preflight" / preflight.CANARY_METRICS).open()]
+        assert steps == [1, 2]
+        compile_metrics = (run_dir / "checkpoints" / "metrics-compile.jsonl").read_text().splitlines()
+        assert len(compile_metrics) == 2  # the compile stage's, not appended to by the canary
+        assert not (run_dir / "checkpoints" / "metrics.jsonl").exists()
+        runs.print_status(run_dir)
+        assert expected in capsys.readouterr().out
+    finally:
+        for node in preflight_drained(slurm):
+            slurm.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
+
+
 RUNUSER = shutil.which("runuser", path="/usr/sbin:/sbin:/usr/bin:/bin")  # the test's own PATH is a node's
 
 

@@ -198,3 +198,96 @@ def test_a_site_may_skip_the_preflight_and_training_then_waits_for_compile(tmp_p
     assert "preflight" not in [s.name for s in skipped.stages]
     unchecked = next(stage for stage in skipped.stages if stage.name == "train")
     assert dependency_option(unchecked, {"compile": "11"}) == "--dependency=afterok:11"  # no preflight job: compile
+
+
+# --- the canary: the compiled graphs' device memory -------------------------------------------------------
+
+MONITOR_STANDIN = STANDIN.parent / "neuron-monitor"
+
+
+def monitor_report(core_bytes: dict[str, list[int]], *, error: str = "") -> str:
+    """One neuron-monitor report line (the Neuron Monitor User Guide's format): per Neuron application (one a
+    rank) its NeuronCore's memory by category."""
+    runtimes = []
+    for pid, (core, parts) in enumerate(core_bytes.items()):
+        categories = dict(zip(("constants", "model_code", "runtime_memory", "tensors"), parts, strict=False))
+        used = {"neuron_device": sum(parts), "usage_breakdown": {"neuroncore_memory_usage": {core: categories}}}
+        runtimes.append(
+            {
+                "pid": 1000 + pid,
+                "error": "",
+                "report": {"memory_used": {"neuron_runtime_used_bytes": used, "error": error}},
+            }
+        )
+    return json.dumps({"neuron_runtime_data": runtimes, "instance_info": {"instance_id": "i-0011223344556677a"}})
+
+
+def test_the_peak_is_the_fullest_neuroncore_over_the_canarys_reports() -> None:
+    gib = 2**30
+    lines = [
+        json.dumps({"neuron_runtime_data": []}),  # before the ranks load anything: no figure, not a 0
+        monitor_report({"0": [2 * gib, gib], "1": [2 * gib, 3 * gib]}),
+        "not a report",
+        monitor_report({"0": [2 * gib, 6 * gib], "1": [2 * gib, 3 * gib]}),
+        monitor_report({"0": [gib]}, error="runtime gone"),  # unreadable memory: skipped, not a smaller figure
+    ]
+    assert preflight.peak_core_bytes(lines) == (8 * gib, 2)
+    assert preflight.peak_core_bytes([json.dumps({"neuron_runtime_data": []}), "garbage"]) == (None, 0)
+
+
+def test_memory_above_the_plan_by_more_than_its_headroom_or_above_the_hbm_fails_in_one_line() -> None:
+    hardware = HARDWARE["trn1.32xlarge"]
+    assert preflight.MEMORY_TOLERANCE == 0.10  # the headroom submit demands of the plan
+    over = preflight.memory_problem(15.2 * 2**30, 12.1, hardware)
+    assert preflight.failure_line("trn-st-2", over or "") == (
+        "preflight: node trn-st-2: the compiled graphs hold 15.2 GiB on a NeuronCore, above the plan's 12.1 GiB "
+        "(+10% allowed)"
+    )
+    assert preflight.memory_problem(13.3 * 2**30, 12.1, hardware) is None  # within 10 % of the plan
+    assert preflight.memory_problem(9.0 * 2**30, 12.1, hardware) is None  # under the plan
+    assert preflight.memory_problem(16.4 * 2**30, 15.0, hardware) == (
+        "the compiled graphs hold 16.4 GiB on a NeuronCore, more than its 16 GiB of HBM on trn1.32xlarge"
+    )
+    assert preflight.memory_problem(16.4 * 2**30, None, hardware) is not None  # no plan (unknown model): HBM only
+    assert preflight.memory_problem(14.0 * 2**30, None, hardware) is None
+    # no report with memory: the graphs ran, which is all that is known; not judged
+    assert preflight.memory_problem(None, 12.1, hardware) is None
+
+
+def test_a_canary_that_did_not_run_is_one_line_naming_the_nodes_and_the_log() -> None:
+    log = "/fsx/runs/r/logs/preflight-12.out"
+    passed = {"a": {"status": 0}, "b": {"status": 0}}
+    assert preflight.canary_problem(["a", "b"], passed, 0, log) is None
+    assert preflight.canary_problem(["a", "b"], {"a": {"status": 0}, "b": {"status": 1}}, 1, log) == (
+        f"the compiled graphs did not run: b exited with status 1 (see {log})"
+    )
+    assert preflight.canary_problem(["a", "b"], {"a": {"status": 0}}, 137, log) == (
+        f"the compiled graphs did not run: b left no result (see {log})"
+    )
+    assert preflight.canary_problem(["a"], {"a": {"status": 0}}, 1, log) == (
+        f"the compiled graphs did not run: the canary's srun exited with status 1 (see {log})"
+    )
+
+
+def test_the_canary_watch_records_the_monitors_peak_and_the_commands_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's wrapper around the canary's torchrun: the neuron-monitor stand-in (the real tool's report
+    format, its config checked) samples every second while the command runs; the command's status is returned
+    and recorded with the node's peak."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "neuron-monitor").symlink_to(MONITOR_STANDIN)
+    monkeypatch.setenv("PATH", f"{tools}:/usr/bin:/bin")
+    monkeypatch.setenv("SLURMD_NODENAME", "trn-st-1")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("NEURON_MONITOR_STANDIN_CORE_GIB", "0:3.0,1:12.5")
+    status = preflight.watch_canary(tmp_path, ["/bin/bash", "-c", "sleep 2.5; exit 3"])
+    assert status == 3
+    result = json.loads((tmp_path / "preflight" / "canary" / "trn-st-1.json").read_text())
+    assert result["status"] == 3 and result["memory_reports"] >= 2
+    assert abs(result["peak_core_bytes"] - 12.5 * 2**30) < 2
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuron-monitor: the command still runs, memory not read
+    assert preflight.watch_canary(tmp_path, ["/bin/true"]) == 0
+    result = json.loads((tmp_path / "preflight" / "canary" / "trn-st-1.json").read_text())
+    assert result["peak_core_bytes"] is None and "neuron-monitor: not found" in result["monitor_error"]

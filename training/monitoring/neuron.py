@@ -59,8 +59,9 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def config_text() -> str:
-    return json.dumps(CONFIG, indent=2, sort_keys=True) + "\n"
+def config_text(period: str = PERIOD) -> str:
+    """neuron-monitor's configuration file; `period` in its format ("60s", "1s")."""
+    return json.dumps({**CONFIG, "period": period}, indent=2, sort_keys=True) + "\n"
 
 
 def _group(runtime: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
@@ -92,6 +93,18 @@ def report_data(report: Mapping[str, Any]) -> list[Datum]:
     if utilization and counters_complete:
         data.append(Datum(NEURONCORE_UTILIZATION, sum(utilization.values()) / len(utilization), "Percent"))
 
+    memory = runtime_memory(runtimes)
+    if memory is None:
+        return data
+    per_core, device_total = memory
+    data.append(Datum(NEURONCORE_MEMORY_USED, max(per_core.values(), default=0.0), "Bytes"))
+    data.append(Datum(NEURON_DEVICE_MEMORY_USED, device_total, "Bytes"))
+    return data
+
+
+def runtime_memory(runtimes: Iterable[Mapping[str, Any]]) -> tuple[dict[str, float], float] | None:
+    """Per NeuronCore the bytes its categories hold, summed over the applications, and the device total; None
+    when one application's memory could not be read (a total missing a part would look like a smaller one)."""
     per_core: dict[str, float] = {}
     device_total = 0.0
     for runtime in runtimes:
@@ -99,15 +112,21 @@ def report_data(report: Mapping[str, Any]) -> list[Datum]:
         used = (memory or {}).get("neuron_runtime_used_bytes")
         if not isinstance(used, Mapping):
             log.warning("neuron-monitor: no memory_used from runtime %s: %s", runtime.get("pid"), _errors(runtime))
-            return data
+            return None
         device_total += float(used.get("neuron_device") or 0)
         cores = (used.get("usage_breakdown") or {}).get("neuroncore_memory_usage") or {}
         for core, categories in cores.items():
             held = sum(float(v) for v in (categories or {}).values() if isinstance(v, (int, float)))
             per_core[core] = per_core.get(core, 0.0) + held
-    data.append(Datum(NEURONCORE_MEMORY_USED, max(per_core.values(), default=0.0), "Bytes"))
-    data.append(Datum(NEURON_DEVICE_MEMORY_USED, device_total, "Bytes"))
-    return data
+    return per_core, device_total
+
+
+def core_memory(report: Mapping[str, Any]) -> dict[str, float] | None:
+    """One report's bytes per NeuronCore (what a memory plan's GiB per NeuronCore compares with); None when an
+    application's memory could not be read."""
+    runtimes = [r for r in report.get("neuron_runtime_data") or [] if isinstance(r, Mapping)]
+    memory = runtime_memory(runtimes)
+    return None if memory is None else memory[0]
 
 
 def _errors(runtime: Mapping[str, Any]) -> str:

@@ -43,12 +43,16 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +60,15 @@ from training import outputs
 from training.config.recipe import Recipe, load_recipe
 from training.config.site import Site
 from training.errors import UserError
+from training.monitoring import neuron as neuron_monitor
 from training.train.memory import (
     DEFAULT_HARDWARE,
     GIB,
+    REQUIRED_HEADROOM,
     Hardware,
     model_config,
     parameters_per_core,
+    planned_gib_per_core,
     state_bytes_per_parameter,
     workload_of,
 )
@@ -79,6 +86,14 @@ CHECKPOINT_WRITE_FRACTION = 0.10
 WRITE_SAMPLE_MAX_BYTES = GIB  # what each node writes to measure; the projection scales it to the real share
 ALLREDUCE_BYTES = "1GB"  # nccom-test's size unit; the size whose bus bandwidth is judged
 NCCOM_TIMEOUT_S = 900
+CANARY_DIR = "canary"  # <run>/preflight/canary/<node>.json: each node's canary status and memory peak
+CANARY_METRICS = "canary-metrics.jsonl"  # the canary's JSON lines, apart from the run's training files
+NEURON_MONITOR = "neuron-monitor"
+MONITOR_PERIOD = "1s"  # neuron-monitor's period format (Neuron Monitor User Guide, "Configuration file example")
+# How far the compiled graphs' memory may exceed the plan: the plan's own headroom. Submit accepted the run with
+# REQUIRED_HEADROOM of the HBM to spare for the plan's error; more than that above the plan and the guarantee given
+# at submit (the run fits with that margin) no longer holds.
+MEMORY_TOLERANCE = REQUIRED_HEADROOM
 
 
 # --- decisions --------------------------------------------------------------------------------------------
@@ -155,6 +170,63 @@ def write_problem(bytes_per_second: float, node_bytes: int, interval_seconds: fl
         f"take {seconds:.0f} s, more than {CHECKPOINT_WRITE_FRACTION:.0%} of the {interval_seconds:.0f} s between "
         "checkpoints"
     )
+
+
+def canary_problem(nodes: list[str], results: dict[str, dict[str, Any]], status: int, log: str) -> str | None:
+    """The canary's failure in one line: the nodes whose torchrun exited non-zero or left no result, else the
+    srun's own non-zero `status`; `log`: where to read more."""
+    failed = []
+    for node in nodes:
+        result = results.get(node)
+        if result is None:
+            failed.append(f"{node} left no result")
+        elif result.get("status"):
+            failed.append(f"{node} exited with status {result['status']}")
+    if not failed and status:
+        failed.append(f"the canary's srun exited with status {status}")
+    if not failed:
+        return None
+    return f"the compiled graphs did not run: {', '.join(failed)} (see {log})"
+
+
+def memory_problem(peak_bytes: float | None, planned_gib: float | None, hardware: Hardware) -> str | None:
+    """The most device memory a NeuronCore held while the compiled graphs ran, against the plan (plus
+    MEMORY_TOLERANCE) and the HBM per core; None when it fits, or when nothing was read (then the canary's success
+    is all that is known: the graphs ran)."""
+    if peak_bytes is None:
+        return None
+    held = peak_bytes / GIB
+    if held > hardware.hbm_gib_per_core:
+        return (
+            f"the compiled graphs hold {held:.1f} GiB on a NeuronCore, more than its "
+            f"{hardware.hbm_gib_per_core:g} GiB of HBM on {hardware.name}"
+        )
+    if planned_gib is not None and held > planned_gib * (1 + MEMORY_TOLERANCE):
+        return (
+            f"the compiled graphs hold {held:.1f} GiB on a NeuronCore, above the plan's {planned_gib:.1f} GiB "
+            f"(+{MEMORY_TOLERANCE:.0%} allowed)"
+        )
+    return None
+
+
+def peak_core_bytes(reports: Iterable[str]) -> tuple[float | None, int]:
+    """The most bytes any NeuronCore held over neuron-monitor's report lines, and how many reports had memory;
+    a line that is not a report, or a report whose memory could not be read, is skipped."""
+    peak: float | None = None
+    read = 0
+    for line in reports:
+        try:
+            report = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(report, dict):
+            continue
+        cores = neuron_monitor.core_memory(report)
+        if not cores:  # unreadable, or no Neuron application yet: no figure, not a 0
+            continue
+        read += 1
+        peak = max(peak or 0.0, max(cores.values()))
+    return peak, read
 
 
 def failure_line(node: str, problem: str) -> str:
@@ -307,6 +379,91 @@ def check_node(context: Context) -> dict[str, Any]:
     return result
 
 
+def find_tool(name: str) -> str | None:
+    """A tool of aws-neuronx-tools on PATH, else where the package installs it."""
+    return shutil.which(name, path=os.environ.get("PATH", "") + os.pathsep + NEURON_TOOLS_BIN)
+
+
+def watch_canary(run_dir: Path, command: list[str]) -> int:
+    """On every node: run the canary's torchrun (`command`) while neuron-monitor samples every MONITOR_PERIOD;
+    the node's peak per NeuronCore and the command's exit status go to <run>/preflight/canary/<node>.json. Its
+    exit status is the command's, so srun's --kill-on-bad-exit ends the other nodes' ranks."""
+    node = node_name()
+    monitor_path = find_tool(NEURON_MONITOR)
+    lines: list[str] = []
+    monitor: subprocess.Popen[str] | None = None
+    reader: threading.Thread | None = None
+    result: dict[str, Any] = {"node": node, "monitor": monitor_path, "period": MONITOR_PERIOD}
+    with tempfile.TemporaryDirectory(prefix="neuron-monitor-") as scratch:
+        if monitor_path is None:
+            result["monitor_error"] = f"{NEURON_MONITOR}: not found on PATH or in {NEURON_TOOLS_BIN}"
+            print(f"warning: {result['monitor_error']}; the device memory is not read", file=sys.stderr)
+        else:
+            config = Path(scratch) / "monitor.conf"
+            config.write_text(neuron_monitor.config_text(MONITOR_PERIOD))
+            monitor = subprocess.Popen([monitor_path, "-c", str(config)], stdout=subprocess.PIPE, text=True)
+            stream = monitor.stdout
+            assert stream is not None
+            reader = threading.Thread(target=lambda: lines.extend(stream), daemon=True)
+            reader.start()
+        start = time.monotonic()
+        child = subprocess.Popen(command)
+        # srun ends the other nodes' tasks with SIGTERM when one fails: torchrun then stops its ranks, and this
+        # node still writes its result.
+        previous = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+        try:
+            status = child.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if monitor is not None:
+                monitor.terminate()
+                try:
+                    monitor.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    monitor.kill()
+                    monitor.wait()
+            if reader is not None:
+                reader.join(timeout=30)
+    peak, reports = peak_core_bytes(lines)
+    result |= {"status": status, "seconds": round(time.monotonic() - start, 1)}
+    result |= {"peak_core_bytes": peak, "memory_reports": reports}
+    outputs.write_file(run_dir / NODES_DIR / CANARY_DIR / f"{node}.json", json.dumps(result, indent=2) + "\n")
+    held = "not read" if peak is None else f"{peak / GIB:.2f} GiB at most on a NeuronCore"
+    print(f"preflight: node {node}: canary exit status {status}, device memory {held}", file=sys.stderr)
+    return status
+
+
+def run_canary(context: Context, nodes: list[str], command: list[str]) -> dict[str, Any]:
+    """The canary's srun (`command`) on the job's nodes, then each node's result and the judgement: the canary's
+    failure, and per node the memory problem."""
+    directory = context.run_dir / NODES_DIR / CANARY_DIR
+    shutil.rmtree(directory, ignore_errors=True)  # an earlier preflight's results are not this one's
+    hardware = context.hardware or DEFAULT_HARDWARE
+    planned = planned_gib_per_core(context.recipe, hardware)
+    print("$ " + shlex.join(command), file=sys.stderr, flush=True)
+    start = time.monotonic()
+    status = subprocess.run(command, check=False).returncode
+    results = {}
+    for node in nodes:
+        path = directory / f"{node}.json"
+        if path.is_file():
+            results[node] = json.loads(path.read_text())
+    record: dict[str, Any] = {"status": status, "seconds": round(time.monotonic() - start, 1), "results": results}
+    record |= {"planned_gib_per_core": planned, "hbm_gib_per_core": hardware.hbm_gib_per_core}
+    record["tolerance"] = MEMORY_TOLERANCE
+    log = context.run_dir / "logs" / f"preflight-{os.environ.get('SLURM_JOB_ID', '<job>')}.out"
+    record["failure"] = canary_problem(nodes, results, status, str(log))
+    memory: dict[str, str] = {}
+    for node, result in results.items():
+        problem = memory_problem(result.get("peak_core_bytes"), planned, hardware)
+        if problem:
+            memory[node] = problem
+        elif result.get("peak_core_bytes") is None and not result.get("status"):
+            print(f"warning: preflight: node {node}: the device memory was not read; not judged", file=sys.stderr)
+    record["memory"] = memory
+    return record
+
+
 def run_node(run_dir: Path) -> int:
     context = load_context(run_dir)
     result = check_node(context)
@@ -367,8 +524,9 @@ def pin_training(site: Site, run_dir: Path, nodelist: str) -> str:
     return f"job {job} pinned to {nodelist}"
 
 
-def run_job(run_dir: Path) -> int:
-    """Every node's results, the all-nodes all-reduce, the decision: 0 when the training job may start."""
+def run_job(run_dir: Path, canary: list[str] | None = None) -> int:
+    """Every node's results, the all-nodes all-reduce, on a Neuron site the canary (`canary`: its srun), the
+    decision: 0 when the training job may start."""
     context = load_context(run_dir)
     site, hardware = context.site, context.hardware
     nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
@@ -404,6 +562,19 @@ def run_job(run_dir: Path) -> int:
         lines.append(f"{line} ({record['drained'][node]})")
     if job_problem:
         lines.append(f"preflight: nodes {','.join(nodes)}: {job_problem} (each node's own checks passed; none drained)")
+    if hardware is None:
+        record["canary"] = "not applicable (not a Neuron site)"
+    elif lines:
+        record["canary"] = "not run (a check above failed)"
+    elif not canary:
+        record["canary"] = "not run (no canary command given)"
+    else:
+        record["canary"] = run_canary(context, nodes, canary)
+        if record["canary"]["failure"]:
+            lines.append(f"preflight: {record['canary']['failure']}")
+        # Memory above the plan is the plan's error (or the recipe's), not the node's: no node is drained for it.
+        for node, problem in record["canary"]["memory"].items():
+            lines.append(f"{failure_line(node, problem)} (not the node's fault; none drained)")
     record["failure"] = "; ".join(lines) or None
     if not lines:
         record["pinned"] = pin_training(site, run_dir, nodelist) if nodelist else "not in a Slurm job"
