@@ -1,17 +1,32 @@
 """The canary before scale-out: the `preflight` stage checks the nodes the training job will get before it
 starts, and fails in one line naming the node and the number.
 
-It runs after compile, as a job of the training job's size on the training partition, in two steps:
+It runs after compile, as a job of the training job's size on the training partition, in two steps, the second
+starting a third on a Neuron site:
 
 1. on every node (`srun`, one task a node: `python -m training preflight --run-dir R --node`): the node's Neuron
    and EFA devices (the prolog's test, `assets/node/on_node_configured.sh`), an all-reduce over the node's own
    NeuronCores with Neuron's collective test (`nccom-test`, aws-neuronx-tools), and the shared file system's write
    speed for the node's share of a checkpoint; each node writes `<run>/preflight/<node>.json`;
 2. on the job's first node (`python -m training preflight --run-dir R`): the all-reduce across all nodes over EFA
-   (`nccom-test --slurm-mode` in the job's own allocation), the decision, `<run>/preflight.json`. A failing node is
-   drained with the reason (`scontrol update NodeName=... State=DRAIN Reason=...`; ParallelCluster replaces a
-   drained static node under the same name) and the job fails, so the training job (`afterok`) never starts. On
-   success the pending training job is pinned to the checked nodes (`ReqNodeList`).
+   (`nccom-test --slurm-mode` in the job's own allocation), on a Neuron site the canary (3.), the decision,
+   `<run>/preflight.json`. A failing node is drained with the reason (`scontrol update NodeName=... State=DRAIN
+   Reason=...`; ParallelCluster replaces a drained static node under the same name) and the job fails, so the
+   training job (`afterok`) never starts. On success the pending training job is pinned to the checked nodes
+   (`ReqNodeList`);
+3. the canary, once every check above passed (`--canary -- <srun ...>`): the compiled graphs run for real on the
+   job's nodes, the compile stage's torchrun (assets/slurm/launch.j2, one a node, the same rendezvous) without
+   neuron_parallel_compile: `training train --compile`, its two steps (validation and the checkpoint's
+   rendezvous graph included) from the compile cache, nothing saved, its metrics in `<run>/preflight/
+   canary-metrics.jsonl` rather than the run's. On every node (`--watch -- <torchrun ...>`) neuron-monitor
+   samples every MONITOR_PERIOD meanwhile; the node's peak per NeuronCore (training/monitoring/neuron.py's sum
+   over the memory categories and applications) and the torchrun's exit status go to
+   `<run>/preflight/canary/<node>.json`. The decision fails, in one line naming the node and both numbers, a
+   peak above the planner's GiB per NeuronCore (training/train/memory.py, as `submit` planned it) by more than
+   MEMORY_TOLERANCE, or above the HBM per core; no node is drained for it (the plan's error, or the recipe's, is
+   not the node's). A canary that does not run (a node's torchrun non-zero, or no result) fails in one line
+   pointing to the job's log, none drained. A node whose memory neuron-monitor did not report is not judged
+   (the graphs ran: all that is known) and says so in the log.
 
 On a site without Neuron (the local demo) the Neuron checks are "not applicable" and the write speed is still
 measured, so the graph and the pinning are the same everywhere. A Neuron site without `instance_type` is checked
@@ -28,13 +43,14 @@ Floors (each a stated fraction of a published figure):
   checkpoints (checkpoint.every x the forecast's step time). No forecast (the CPU backend, an unknown model): the
   speed is recorded, not judged.
 
-The compiled graphs' device memory against the planner's figure is not checked here yet. The compiler already
-refuses a graph whose own HBM need (I/O tensors, scratchpad, spills) exceeds the device (NCC_EOOM001/002), so the
-compile stage fails such a run; the total with the weights and optimizer state that torch-xla keeps on the device
-is known only once the graphs are loaded: the runtime's per-NEFF usage (`NEURON_RT_LOG_LEVEL_TDRV=info`), sysfs
-`.../stats/memory_usage/device_mem` and neuron-monitor's `memory_used` (Neuron's "Neuron Device Memory" guide), the
-last of which `monitor neuron` publishes while training runs. A NEFF's `def.json` states its scratchpad variables,
-but the NEFF container that holds it has no published format.
+The device memory is known only once the graphs are loaded, hence the canary: the compiler refuses a graph whose
+own HBM need exceeds the device (NCC_EOOM001/002), but the total with the weights and optimizer state that
+torch-xla keeps on the device appears only at run time (the runtime's per-NEFF log, sysfs
+`.../stats/memory_usage/device_mem`, neuron-monitor's `memory_used`: Neuron's "Neuron Device Memory" guide);
+neuron-monitor's figure is the one `monitor neuron` publishes while training runs. The canary costs the training
+nodes the model's load and two steps: for llama31-8b-cpt on 4 x trn1.32xlarge, 2 x 170.7 s (the forecast's step)
+plus the load (start-up and the 4 nodes' 64 GB of pretrained shards from FSx), about 7-11 minutes; `preflight.json`
+records its measured seconds. Not on a site without Neuron: no graphs to load there.
 """
 
 from __future__ import annotations
