@@ -285,9 +285,18 @@ def test_the_canary_watch_records_the_monitors_peak_and_the_commands_status(
     status = preflight.watch_canary(tmp_path, ["/bin/bash", "-c", "sleep 2.5; exit 3"])
     assert status == 3
     result = json.loads((tmp_path / "preflight" / "canary" / "trn-st-1.json").read_text())
-    assert result["status"] == 3 and result["memory_reports"] >= 2
+    assert result["status"] == 3 and result["memory_reports"] >= 2 and "monitor_error" not in result
     assert abs(result["peak_core_bytes"] - 12.5 * 2**30) < 2
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuron-monitor: the command still runs, memory not read
     assert preflight.watch_canary(tmp_path, ["/bin/true"]) == 0
     result = json.loads((tmp_path / "preflight" / "canary" / "trn-st-1.json").read_text())
     assert result["peak_core_bytes"] is None and "neuron-monitor: not found" in result["monitor_error"]
+
+
+def test_a_wrapped_command_goes_with_canary_or_watch_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from training.cli import main
+
+    assert main(["preflight", "--run-dir", str(tmp_path), "--canary"]) == 2
+    assert main(["preflight", "--run-dir", str(tmp_path), "--", "/bin/true"]) == 2
+    assert capsys.readouterr().err.count("a COMMAND after `--` goes with --canary or --watch, and only with them") == 2
+    assert not (tmp_path / "preflight").exists()

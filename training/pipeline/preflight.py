@@ -440,6 +440,8 @@ def watch_canary(run_dir: Path, command: list[str]) -> int:
                     monitor.wait()
             if reader is not None:
                 reader.join(timeout=30)
+    if monitor is not None and monitor.returncode != -signal.SIGTERM:  # it ended before we stopped it
+        result["monitor_error"] = f"{NEURON_MONITOR} exited with status {monitor.returncode} while the canary ran"
     peak, reports = peak_core_bytes(lines)
     result |= {"status": status, "seconds": round(time.monotonic() - start, 1)}
     result |= {"peak_core_bytes": peak, "memory_reports": reports}
@@ -454,6 +456,7 @@ def run_canary(context: Context, nodes: list[str], command: list[str]) -> dict[s
     failure, and per node the memory problem."""
     directory = context.run_dir / NODES_DIR / CANARY_DIR
     shutil.rmtree(directory, ignore_errors=True)  # an earlier preflight's results are not this one's
+    (context.run_dir / NODES_DIR / CANARY_METRICS).unlink(missing_ok=True)  # the JSON lines would be appended to
     hardware = context.hardware or DEFAULT_HARDWARE
     planned = planned_gib_per_core(context.recipe, hardware)
     print("$ " + shlex.join(command), file=sys.stderr, flush=True)
