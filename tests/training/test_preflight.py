@@ -287,6 +287,14 @@ def test_the_canary_watch_records_the_monitors_peak_and_the_commands_status(
     result = json.loads((tmp_path / "preflight" / "canary" / "trn-st-1.json").read_text())
     assert result["status"] == 3 and result["memory_reports"] >= 2 and "monitor_error" not in result
     assert abs(result["peak_core_bytes"] - 12.5 * 2**30) < 2
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "neuron-monitor").write_text("#!/bin/bash\necho 'cannot open the driver' >&2\nexit 1\n")
+    (broken / "neuron-monitor").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{broken}:/usr/bin:/bin")  # a monitor that gives up: said so, memory not read
+    assert preflight.watch_canary(tmp_path, ["/bin/bash", "-c", "sleep 1"]) == 0
+    result = json.loads((tmp_path / "preflight" / "canary" / "trn-st-1.json").read_text())
+    assert result["peak_core_bytes"] is None and result["monitor_error"] == "neuron-monitor exited with status 1 early"
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuron-monitor: the command still runs, memory not read
     assert preflight.watch_canary(tmp_path, ["/bin/true"]) == 0
     result = json.loads((tmp_path / "preflight" / "canary" / "trn-st-1.json").read_text())

@@ -406,7 +406,7 @@ def watch_canary(run_dir: Path, command: list[str]) -> int:
     exit status is the command's, so srun's --kill-on-bad-exit ends the other nodes' ranks."""
     node = node_name()
     monitor_path = find_tool(NEURON_MONITOR)
-    lines: list[str] = []
+    found: list[tuple[float | None, int]] = []  # the reader's peak_core_bytes, read as the reports come
     monitor: subprocess.Popen[str] | None = None
     reader: threading.Thread | None = None
     result: dict[str, Any] = {"node": node, "monitor": monitor_path, "period": MONITOR_PERIOD}
@@ -420,7 +420,7 @@ def watch_canary(run_dir: Path, command: list[str]) -> int:
             monitor = subprocess.Popen([monitor_path, "-c", str(config)], stdout=subprocess.PIPE, text=True)
             stream = monitor.stdout
             assert stream is not None
-            reader = threading.Thread(target=lambda: lines.extend(stream), daemon=True)
+            reader = threading.Thread(target=lambda: found.append(peak_core_bytes(stream)), daemon=True)
             reader.start()
         start = time.monotonic()
         child = subprocess.Popen(command)
@@ -432,6 +432,8 @@ def watch_canary(run_dir: Path, command: list[str]) -> int:
         finally:
             signal.signal(signal.SIGTERM, previous)
             if monitor is not None:
+                if monitor.poll() is not None:
+                    result["monitor_error"] = f"{NEURON_MONITOR} exited with status {monitor.returncode} early"
                 monitor.terminate()
                 try:
                     monitor.wait(timeout=30)
@@ -440,9 +442,7 @@ def watch_canary(run_dir: Path, command: list[str]) -> int:
                     monitor.wait()
             if reader is not None:
                 reader.join(timeout=30)
-    if monitor is not None and monitor.returncode != -signal.SIGTERM:  # it ended before we stopped it
-        result["monitor_error"] = f"{NEURON_MONITOR} exited with status {monitor.returncode} while the canary ran"
-    peak, reports = peak_core_bytes(lines)
+    peak, reports = found[0] if found else (None, 0)
     result |= {"status": status, "seconds": round(time.monotonic() - start, 1)}
     result |= {"peak_core_bytes": peak, "memory_reports": reports}
     outputs.write_file(run_dir / NODES_DIR / CANARY_DIR / f"{node}.json", json.dumps(result, indent=2) + "\n")
