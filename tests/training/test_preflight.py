@@ -308,3 +308,12 @@ def test_a_wrapped_command_goes_with_canary_or_watch_only(tmp_path: Path, capsys
     assert main(["preflight", "--run-dir", str(tmp_path), "--", "/bin/true"]) == 2
     assert capsys.readouterr().err.count("a COMMAND after `--` goes with --canary or --watch, and only with them") == 2
     assert not (tmp_path / "preflight").exists()
+
+
+def test_an_earlier_preflights_node_file_is_no_result_of_this_job(tmp_path: Path) -> None:
+    (tmp_path / "node1.json").write_text(json.dumps({"node": "node1", "job": "41", "problems": []}))
+    (tmp_path / "node2.json").write_text(json.dumps({"node": "node2", "job": "42", "problems": []}))
+    results = preflight.this_jobs_results(tmp_path, ["node1", "node2", "node3"], "42")
+    assert list(results) == ["node2"]
+    failed = preflight.failed_nodes(["node1", "node2", "node3"], results)
+    assert sorted(failed) == ["node1", "node3"] and failed["node1"].startswith("no result")

@@ -354,7 +354,7 @@ def measure_write(directory: Path, size: int) -> float:
 def check_node(context: Context) -> dict[str, Any]:
     """This node's checks, each with its number; `problems` lists what fails, first the most basic."""
     node = node_name()
-    result: dict[str, Any] = {"node": node, "problems": [], "checks": {}}
+    result: dict[str, Any] = {"node": node, "job": os.environ.get("SLURM_JOB_ID"), "problems": [], "checks": {}}
     checks, problems = result["checks"], result["problems"]
     hardware = context.hardware
     if hardware is None:
@@ -543,6 +543,19 @@ def pin_training(site: Site, run_dir: Path, nodelist: str) -> str:
     return f"job {job} pinned to {nodelist}"
 
 
+def this_jobs_results(directory: Path, nodes: list[str], job: str | None) -> dict[str, dict[str, Any]]:
+    """Each node's result written by this job: an earlier preflight's file (a node whose check died before it
+    wrote its own) is no result, so that node fails instead of passing on old numbers."""
+    results: dict[str, dict[str, Any]] = {}
+    for node in nodes:
+        path = directory / f"{node}.json"
+        if path.is_file():
+            result = json.loads(path.read_text())
+            if result.get("job") == job:
+                results[node] = result
+    return results
+
+
 def run_job(run_dir: Path, canary: list[str] | None = None) -> int:
     """Every node's results, the all-nodes all-reduce, on a Neuron site the canary (`canary`: its srun), the
     decision: 0 when the training job may start."""
@@ -550,11 +563,7 @@ def run_job(run_dir: Path, canary: list[str] | None = None) -> int:
     site, hardware = context.site, context.hardware
     nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
     nodes = hostnames(site, nodelist) if nodelist else [node_name()]
-    results: dict[str, dict[str, Any]] = {}
-    for node in nodes:
-        path = run_dir / NODES_DIR / f"{node}.json"
-        if path.is_file():
-            results[node] = json.loads(path.read_text())
+    results = this_jobs_results(run_dir / NODES_DIR, nodes, os.environ.get("SLURM_JOB_ID"))
     failed = failed_nodes(nodes, results)
     record: dict[str, Any] = {"job": os.environ.get("SLURM_JOB_ID"), "nodelist": nodelist, "nodes": nodes}
     record |= {"results": results, "floors": {}, "instance_type": hardware.name if hardware else None}
