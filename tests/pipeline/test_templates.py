@@ -17,7 +17,7 @@ from stacks.config import load_environment
 from stacks.pipeline_site import site_settings
 from training.config.recipe import load_recipe
 from training.config.site import Site
-from training.pipeline.runs import STAGES, dependency_option, plan_run, render, stage_command
+from training.pipeline.runs import STAGES, dependency_option, plan_run, render, stage_command, stage_time_minutes
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -175,3 +175,17 @@ def test_the_compile_stage_restores_the_kept_cache_first_and_stages_what_it_comp
     local = rendered("llama31-8b-cpt", default_site().model_copy(update={"compile_cache_store": None}))
     assert "compile-cache" not in local["compile"]
     assert "compile-cache" not in rendered("tiny-llama-cpt", Site())["compile"]  # no Neuron, no cache to keep
+
+
+def test_the_preflight_job_has_a_time_limit_from_its_forecast_even_where_jobs_have_none() -> None:
+    site = default_site()
+    assert site.time_minutes == 0  # the default environment: no job has a limit
+    llama = plan_run(load_recipe("llama31-8b-cpt"), site, "RUN-ID")
+    limits = {stage.name: stage_time_minutes(stage, llama) for stage in llama.stages}
+    # 15 minutes of loading and three times the forecast's two steps of 170.7 s
+    assert limits["preflight"] == 33 and limits["train"] == 0 and limits["compile"] == 0
+    assert "#SBATCH --time=33\n" in render(llama)["preflight"]
+    short = plan_run(load_recipe("llama31-8b-cpt"), site.model_copy(update={"time_minutes": 20}), "RUN-ID")
+    assert stage_time_minutes(next(s for s in short.stages if s.name == "preflight"), short) == 20
+    mixtral = plan_run(load_recipe("mixtral-8x7b-sft"), site, "RUN-ID")
+    assert stage_time_minutes(next(s for s in mixtral.stages if s.name == "preflight"), mixtral) == 30  # the least

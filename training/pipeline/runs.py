@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import shlex
@@ -385,6 +386,24 @@ def processes_per_node(recipe: Recipe, site: Site) -> int:
     return model_parallel // recipe.nodes if model_parallel % recipe.nodes == 0 else recipe.parallelism.tp
 
 
+# The preflight's time limit: its checks take seconds; the canary loads the model and runs two steps. Time for a
+# slow load (minutes of FSx reads) and three times the two steps' forecast: a hung rendezvous or collective then
+# frees the training nodes within the hour instead of holding them without end (a site's `time_minutes` 0).
+PREFLIGHT_LOAD_MINUTES = 15
+PREFLIGHT_MIN_MINUTES = 30
+
+
+def stage_time_minutes(stage: Stage, plan: RunPlan) -> int:
+    """The job's `--time` (0: no limit): the site's, but a bounded one for the preflight."""
+    limit = plan.site.time_minutes
+    if stage.name != "preflight":
+        return limit
+    forecast = site_forecast(plan.recipe, plan.site) if plan.recipe.backend == "neuron" else None
+    two_steps = 0.0 if forecast is None else 2 * forecast.step_seconds / 60
+    bounded = max(PREFLIGHT_MIN_MINUTES, math.ceil(PREFLIGHT_LOAD_MINUTES + 3 * two_steps))
+    return min(limit, bounded) if limit else bounded
+
+
 def render(plan: RunPlan) -> dict[str, str]:
     """Job script per stage, in submission order: every value from a recipe, site file or run id goes through
     one of the filters `shell` (quoted), `sbatch` (checked) or `line` (the site's own code, checked)."""
@@ -412,7 +431,7 @@ def render(plan: RunPlan) -> dict[str, str]:
             "recipe_name": recipe.name,
             "site_name": site.name,
             "nodes": recipe.nodes if stage.distributed else 1,
-            "time_minutes": site.time_minutes,
+            "time_minutes": stage_time_minutes(stage, plan),
             "exclusive": site.exclusive,
             "partition": site.partition if stage.distributed else site.cpu_partition or site.partition,
             "requeue": stage.name == "train",
