@@ -280,7 +280,7 @@ def _run(
         )
         if verdict.fraction is None or verdict.tokens_per_node is None:
             return
-        record["throughput_fraction"] = round(verdict.fraction, 6)
+        record["throughput_fraction"] = float(f"{verdict.fraction:.6g}")  # significant digits: far below is tiny
         record["below_throughput_floor"] = int(verdict.below)
         if verdict.below:
             line = floor_line(verdict.tokens_per_node, expected, verdict.fraction, floor.floor_fraction)
