@@ -65,7 +65,9 @@ def test_the_late_compilation_line_names_the_step_and_the_cache() -> None:
     line = late_compile_line(12, 1, STEP)
     assert line.startswith("train compiled a graph at step 12: the compile cache missed (the training step's graph")
     assert "\n" not in line
-    assert late_compile_line(12, 3).startswith("train compiled 3 graphs at step 12: the compile cache missed (a graph")
+    assert late_compile_line(12, 2, VALIDATION).startswith("train compiled 2 graphs at step 12: the compile cache")
+    # status: the process's total, the last one's step
+    assert late_compile_line(12, 3).startswith("train compiled 3 graphs late, the last at step 12: the compile cache")
 
 
 def floor(values: list[tuple[int, float]], **settings: float) -> tuple[float | None, float | None, bool]:

@@ -83,12 +83,15 @@ WHAT = {
 
 
 def late_compile_line(step: int, count: int, phase: str | None = None) -> str:
-    """The one line of a late compilation, in the job's log, its stop reason and `status` (`count`: there, the
-    process's total so far; `phase` None: not known, as in `status`)."""
+    """The one line of late compilations, in the job's log and its stop reason (`count` graphs at `step`, in
+    `phase`) and in `status` (`phase` None: `count` is the process's total so far, `step` the last one's)."""
     what = WHAT[phase] if phase is not None else "a graph"
-    graphs = "a graph" if count == 1 else f"{count} graphs"
+    if count == 1:
+        graphs = "a graph at"
+    else:
+        graphs = f"{count} graphs at" if phase is not None else f"{count} graphs late, the last at"
     return (
-        f"train compiled {graphs} at step {step}: the compile cache missed ({what} changed since the compile "
+        f"train compiled {graphs} step {step}: the compile cache missed ({what} changed since the compile "
         "stage; each miss costs minutes on every node: compile again with the recipe the run trains with)"
     )
 
