@@ -103,6 +103,7 @@ def test_tensorboard_holds_the_values_of_the_json_lines(world: dict[str, Path], 
             "throughput/tokens_per_second",
             "throughput/seq_per_second",
             "throughput/mfu",
+            "throughput/tokens_per_second_per_node",
         }
         == expected.keys()
         == found.keys()

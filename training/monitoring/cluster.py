@@ -195,7 +195,7 @@ def stage_data(run_dir: Path, rows: Iterable[Mapping[str, Any]], now: float) -> 
         return []
     attempts = timeline.latest_attempts(events)
     train = attempts.get(timeline.TRAIN)
-    first = timeline.first_step_time(runs._train_records(run_dir), train.start) if train is not None else None
+    first = timeline.first_step_time(runs.train_records(run_dir), train.start) if train is not None else None
     active = any(row.get("state") in runs.ACTIVE_STATES for row in rows)
     return timeline.stage_seconds(runs.read_run(run_dir)["stages"], attempts, first, active=active, now=now)
 

@@ -757,7 +757,8 @@ def describe_progress(progress: dict[str, Any]) -> str:
     return line
 
 
-def _train_records(run_dir: Path) -> list[dict[str, Any]]:
+def train_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The train stage's metrics records, none while it has logged no step."""
     try:
         return read_metrics(run_dir / "checkpoints" / METRICS_FILE)
     except UserError:
@@ -770,7 +771,7 @@ def watch_lines(run_dir: Path) -> list[str]:
     settings = read_run(run_dir).get("settings") or {}
     stop = read_stop(run_dir / "checkpoints")
     lines = [f"train stopped, not requeued: {stop['reason']}"] if stop else []
-    records = _train_records(run_dir)
+    records = train_records(run_dir)
     late = [r for r in records if r.get("late_compilations")]
     if late and not (stop and "compile cache missed" in stop["reason"]):
         last = late[-1]
@@ -799,7 +800,7 @@ def timeline_lines(run_dir: Path) -> list[str]:
         return []
     attempts = timeline.latest_attempts(events)
     train = attempts.get(timeline.TRAIN)
-    first = timeline.first_step_time(_train_records(run_dir), train.start) if train is not None else None
+    first = timeline.first_step_time(train_records(run_dir), train.start) if train is not None else None
     return timeline.describe(read_run(run_dir)["stages"], attempts, first)
 
 

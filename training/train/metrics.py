@@ -66,6 +66,9 @@ TAGS = {
     "tokens_per_second": "throughput/tokens_per_second",
     "seq_per_second": "throughput/seq_per_second",
     "mfu": "throughput/mfu",  # a fraction of the workers' peak, as in the JSON lines
+    "tokens_per_second_per_node": "throughput/tokens_per_second_per_node",
+    "throughput_fraction": "throughput/fraction_of_expected",  # the floor's window median over the expected figure
+    "late_compilations": "xla/late_compilations",
     "moe_dropped": "moe/dropped_fraction",
 }
 XLA_PREFIX = "xla_"  # xla_compilations -> xla/compilations
