@@ -252,12 +252,17 @@ def _run(
     expected = floor.expected_tokens_per_second_per_node if not options.compile_only else None
     nodes = _nodes()
     per_node: list[tuple[int, float]] = []
+    below: list[bool] = [False]  # the floor's last verdict: a warning when it changes, not at every step
     stop: list[str] = []  # the reason rank 0 stops the job, set by a watch below
 
-    def watch_compilations(done: int, phase: str, compilations: int | None) -> None:
-        if watch is None or compilations is None:
+    def watch_compilations(done: int, phase: str, count: int | None = None) -> None:
+        """After `phase` of step `done` ran; `count`: the compilations so far, if already read."""
+        if watch is None:
             return
-        late = watch.observe(done, phase, compilations)
+        count = compilations() if count is None else count
+        if count is None:
+            return
+        late = watch.observe(done, phase, count)
         if late:
             line = late_compile_line(done, late, phase)
             log.warning(line)
@@ -270,6 +275,7 @@ def _run(
         if expected is None:
             return
         per_node.append((done, tokens))
+        del per_node[: -floor.window_steps]  # the window is all the verdict reads
         verdict = floor_verdict(
             per_node,
             start=start,
@@ -282,11 +288,12 @@ def _run(
             return
         record["throughput_fraction"] = float(f"{verdict.fraction:.6g}")  # significant digits: far below is tiny
         record["below_throughput_floor"] = int(verdict.below)
-        if verdict.below:
-            line = floor_line(verdict.tokens_per_node, expected, verdict.fraction, floor.floor_fraction)
-            log.warning(f"throughput at step {done}: {line}")
-            if floor.cancel_below_floor and not stop:
-                stop.append(f"throughput below the floor at step {done}: {line} (throughput.cancel_below_floor)")
+        line = floor_line(verdict.tokens_per_node, expected, verdict.fraction, floor.floor_fraction)
+        if verdict.below != below[0]:
+            (log.warning if verdict.below else log.info)(f"throughput at step {done}: {line}")
+            below[0] = verdict.below
+        if verdict.below and floor.cancel_below_floor and not stop:
+            stop.append(f"throughput below the floor at step {done}: {line} (throughput.cancel_below_floor)")
 
     def report(
         done: int,
@@ -350,7 +357,7 @@ def _run(
             # The optimizer step's graph, the same whatever else the step does (validation, logging, saving), so
             # the compile stage's two steps compile every graph the run needs; the closure runs after it.
             parallel.mark_step()
-            watch_compilations(done, STEP, compilations())
+            watch_compilations(done, STEP)
             _stop_if_asked(stop, checkpoint_dir, done)
             if validating:
                 assert validation is not None
@@ -359,7 +366,7 @@ def _run(
                 )
                 parallel.add_step_closure(report, (*values, validation_loss, dropped_fraction))
                 parallel.mark_step()  # the validation mean's own small graph
-                watch_compilations(done, VALIDATION, compilations())
+                watch_compilations(done, VALIDATION)
                 _stop_if_asked(stop, checkpoint_dir, done)
             if not options.compile_only and _checkpoint_due(recipe, done):
                 user_content = {"step": done, "consumed_samples": done * plan.global_batch}
@@ -374,7 +381,7 @@ def _run(
                 )
                 if rank == 0:
                     log.info(f"checkpoint step_{done} saved in {checkpoint_dir}")
-                watch_compilations(done, CHECKPOINT, compilations())
+                watch_compilations(done, CHECKPOINT)
                 _stop_if_asked(stop, checkpoint_dir, done)
             _fault_injection(done, checkpoint_dir)
         if options.compile_only:
@@ -512,8 +519,7 @@ def _stop_if_asked(stop: list[str], checkpoint_dir: Path, step: int) -> None:
     if not stop:
         return
     write_stop(checkpoint_dir, stop[0], step)
-    log.error(stop[0])
-    raise RunStopped(stop[0])
+    raise RunStopped(stop[0])  # the CLI's `error:` line
 
 
 def _graph_change_injected(step: int) -> bool:
