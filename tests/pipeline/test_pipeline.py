@@ -185,7 +185,9 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     assert samples and all(s["greedy"] for s in samples)
     metrics = [json.loads(line) for line in (exported / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 11)) and metrics[-1]["loss"] < metrics[0]["loss"]
-    assert (exported / "logs").is_dir() and (exported / "run.json").is_file()
+    assert (
+        (exported / "logs").is_dir() and (exported / "run.json").is_file() and (exported / "timeline.jsonl").is_file()
+    )
     card = ModelCard.load(exported / "hf" / "README.md")  # the model card, as the Hub reads it
     assert card.data.license == "unknown" and card.data.pipeline_tag == "text-generation"  # a base without record
     assert {"continued-pretraining" if name == "llama" else "supervised-fine-tuning", "trainium"} <= set(card.data.tags)
