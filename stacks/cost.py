@@ -35,6 +35,8 @@ from training.config.recipe import Recipe, load_recipe
 from training.errors import UserError, report
 from training.monitoring.cluster import ALWAYS_SENT_JOB_STATES, NODE_STATES
 from training.monitoring.neuron import METRICS_PER_REPORT
+from training.pipeline.runs import STAGES
+from training.pipeline.timeline import most_phases
 from training.train.forecast import Forecast, forecast_of
 from training.train.memory import HARDWARE
 from training.train.metrics import CLOUDWATCH_METRICS
@@ -112,19 +114,22 @@ def cost_lines(config: EnvironmentConfig) -> list[CostLine]:
 
 def monitoring_line(config: EnvironmentConfig) -> CostLine:
     """The dashboard, the alarms' metrics and the custom metrics sent in each state: the head node's always
-    (jobs, nodes per partition and state), the training job's (with and without its run) and each Trainium
-    node's Neuron metrics (with and without its instance) while training."""
+    (jobs, nodes per partition and state), its StageSeconds of the newest run while a run is active (at most one
+    per phase to the first step), the training job's (with and without its run) and each Trainium node's Neuron
+    metrics (with and without its instance) while training."""
     partitions = 2 if config.cpu_queue is not None else 1
     head_node = len(ALWAYS_SENT_JOB_STATES) + 2 + partitions * len(NODE_STATES)  # + TrainingJobsRunning, FailedStages
+    phases = most_phases([stage.name for stage in STAGES])
     training = 2 * len(CLOUDWATCH_METRICS) + METRICS_PER_REPORT * (1 + config.compute.max_count)
     fixed = CLOUDWATCH_DASHBOARD_USD_PER_MONTH + ALARM_METRICS * CLOUDWATCH_ALARM_METRIC_USD_PER_MONTH
     idle = (fixed + head_node * CLOUDWATCH_METRIC_USD_PER_MONTH) / HOURS_PER_MONTH
+    running = phases * CLOUDWATCH_METRIC_USD_PER_MONTH / HOURS_PER_MONTH
     return CostLine(
-        f"CloudWatch: dashboard, {ALARM_METRICS} alarm metrics, {head_node} metrics ({head_node + training} while "
-        "training)",
+        f"CloudWatch: dashboard, {ALARM_METRICS} alarm metrics, {head_node} metrics ({head_node + phases} while a "
+        f"run is active, {head_node + phases + training} while training)",
         idle,
-        idle,
-        idle + training * CLOUDWATCH_METRIC_USD_PER_MONTH / HOURS_PER_MONTH,
+        idle + running,
+        idle + running + training * CLOUDWATCH_METRIC_USD_PER_MONTH / HOURS_PER_MONTH,
     )
 
 

@@ -27,8 +27,11 @@ FSX_LOW_MINUTES = 5
 HEAD_NODE_PERIOD = Duration.minutes(1)
 WIDGET_HEIGHT = 6
 # The metrics the alarms read, each billed: one each, two for the stall alarm.
-ALARM_METRICS = 5
+ALARM_METRICS = 7
 DEFAULT_PERIOD = Duration.minutes(5)
+# Periods in a row (of DEFAULT_PERIOD) in which every logged step was below the throughput floor: a run that
+# stays below it for a quarter of an hour, not one slow window (the job's own window already takes a median).
+THROUGHPUT_FLOOR_PERIODS = 3
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class MemoryPlanLine:
 
 
 class Monitoring(Construct):
-    """One dashboard and four alarms; every alarm notifies `topic` when it fires and when it clears."""
+    """One dashboard and six alarms; every alarm notifies `topic` when it fires and when it clears."""
 
     def __init__(
         self,
@@ -105,6 +108,29 @@ class Monitoring(Construct):
                 self._metric(names.FAILED_STAGES, "Maximum", HEAD_NODE_PERIOD),
                 threshold=1,
                 comparison=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            ),
+            self._alarm(
+                "LateCompilation",
+                f"{name}-late-compilation",
+                "A training job compiled a graph its compile stage did not: the compile cache missed, and each miss "
+                "costs minutes of every node. `python -m training status` names the step; the recipe's "
+                "neuron.fail_on_late_compile stops the job instead.",
+                self._metric(names.LATE_COMPILATIONS, "Maximum"),
+                threshold=0,
+                comparison=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+            ),
+            self._alarm(
+                "ThroughputBelowFloor",
+                f"{name}-throughput-below-floor",
+                f"For {THROUGHPUT_FLOOR_PERIODS * 5} minutes every logged step of a training job was below the "
+                "recipe's throughput floor (throughput.floor_fraction of the expected tokens/s per node); "
+                "`python -m training status` shows actual against expected. throughput.cancel_below_floor stops "
+                "the job instead.",
+                self._metric(names.BELOW_THROUGHPUT_FLOOR, "Minimum"),
+                threshold=1,
+                comparison=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+                evaluation_periods=THROUGHPUT_FLOOR_PERIODS,
+                datapoints=THROUGHPUT_FLOOR_PERIODS,
             ),
             self._alarm(
                 "FsxLowFreeCapacity",
@@ -278,5 +304,19 @@ class Monitoring(Construct):
                 left_y_axis=cloudwatch.YAxisProps(min=0),
             ),
         ]
+        watch: list[cloudwatch.IWidget] = [
+            graph(
+                "Throughput against expected",
+                [m(names.THROUGHPUT_FRACTION, "Average", minute)],
+                right=[m(names.BELOW_THROUGHPUT_FLOOR, "Maximum", minute)],
+                left_y_axis=cloudwatch.YAxisProps(label="% of expected", min=0, show_units=False),
+            ),
+            graph("Late compilations", [m(names.LATE_COMPILATIONS, "Maximum", minute)]),
+            graph(
+                "Time to first step (seconds per phase)",
+                [self._search(names.STAGE_SECONDS, "Stage", "Maximum", "")],
+                view=cloudwatch.GraphWidgetView.BAR,
+            ),
+        ]
         status = cloudwatch.AlarmStatusWidget(alarms=self.alarms, title="Alarms", width=24, height=3)
-        return [[status], training, slurm, devices]
+        return [[status], training, watch, slurm, devices]

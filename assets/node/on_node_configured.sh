@@ -502,6 +502,19 @@ reserve_rendezvous_ports() {
   fi
 }
 
+# ----------------------------------------------------------------------------- bootstrap end
+
+# The epoch second this node's bootstrap ended, for the run's timeline (training/pipeline/timeline.py reads it in
+# every job as the node's "bootstrap end"; the same path as its BOOTSTRAP_END_FILE, a test holds them equal).
+BOOTSTRAP_END_FILE="${BOOTSTRAP_END_FILE:-/var/lib/trainium-bootstrap/configured}"
+
+record_bootstrap_end() {
+  if [[ "${DRY_RUN}" != 1 ]]; then
+    install -d -m 0755 "$(dirname "${BOOTSTRAP_END_FILE}")"
+  fi
+  write_file "${BOOTSTRAP_END_FILE}" "$(date +%s)" 0644
+}
+
 # ----------------------------------------------------------------------------- node settings
 
 # Settings a user may change after the cluster exists (environments/NAME.yaml), in a JSON object that the
@@ -1269,6 +1282,7 @@ main() {
       check_devices
       check_shared_env_visible
       install_monitoring_units neuron
+      record_bootstrap_end
       ;;
     cpu)
       log "CPU node: no Neuron devices, nothing to install (it uses the shared venv)"

@@ -706,10 +706,13 @@ def test_dry_run_trainium_node_installs_the_neuron_monitor_service(node_files) -
     assert "Environment=PYTHONPATH=/fsx/pipeline/current" in service
     assert {"Restart=always", "RestartSec=60", "Type=simple", "WantedBy=multi-user.target"} <= set(service)
     assert "StartLimitIntervalSec=0" in service  # restarts for as long as the pipeline has not brought the code
-    assert dry_run_commands(result.stdout)[-2:] == [
+    commands = dry_run_commands(result.stdout)
+    assert commands[-3:-1] == [
         "systemctl daemon-reload",
         "systemctl enable --now trainium-monitor-neuron.service",
     ]
+    # The last act: the bootstrap's end, for the run's timeline (training/pipeline/timeline.py)
+    assert re.fullmatch(r"write /var/lib/trainium-bootstrap/configured: \d{10}", commands[-1]), commands[-1]
 
 
 @pytest.mark.parametrize(

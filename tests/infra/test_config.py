@@ -74,10 +74,10 @@ def test_a_run_above_the_budget_starts_when_the_environment_accepts_its_forecast
     """The override of rule "pipeline run forecast above the monthly budget": budget.accept_forecast_usd at
     least the forecast; the site file the deploy writes carries the budget, the acceptance and the costs."""
     long_run = {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000}
-    write_environment(env_dir, {**long_run, "budget.accept_forecast_usd": 41301})  # what the refusal names
+    write_environment(env_dir, {**long_run, "budget.accept_forecast_usd": 41304})  # what the refusal names
     config = load_environment("candidate", env_dir)
     site = site_settings(config, neuron_release="2.28.1", results_uri="s3://b/results", file_system_uri="s3://b/fsx")
-    assert (site["budget_monthly_usd"], site["budget_accept_forecast_usd"]) == (1000, 41301)
+    assert (site["budget_monthly_usd"], site["budget_accept_forecast_usd"]) == (1000, 41304)
     assert site["node_usd_per_hour"] == pytest.approx(21.61, abs=0.01)  # trn1.32xlarge and its 1 TiB root volume
     assert 0.5 < site["environment_usd_per_hour"] < 1.0  # head node, FSx, NAT, CloudWatch
     write_environment(env_dir, {**long_run, "budget.monthly_usd": 50000})
@@ -126,9 +126,9 @@ RULES = {
     ),
     "pipeline run forecast above the monthly budget": (
         {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000},
-        "environments-under-test/candidate.yaml: forecast: llama31-8b-cpt costs about $41,301 (19.8 days on 4 x "
+        "environments-under-test/candidate.yaml: forecast: llama31-8b-cpt costs about $41,303 (19.8 days on 4 x "
         "trn1.32xlarge), above budget.monthly_usd 1000; shorten steps, or set budget.accept_forecast_usd to at "
-        "least 41301 to accept it",
+        "least 41304 to accept it",
     ),
     "pipeline override without =": (
         {"pipeline.overrides": ["steps"]},
@@ -516,9 +516,9 @@ def test_synth_refuses_a_run_forecast_above_the_budget_in_one_line(tmp_path: Pat
         over.unlink()
     assert result.returncode == 1
     assert result.stderr == (
-        "error: environments/zz-over-budget-under-test.yaml: forecast: llama31-8b-cpt costs about $41,301 (19.8 "
+        "error: environments/zz-over-budget-under-test.yaml: forecast: llama31-8b-cpt costs about $41,303 (19.8 "
         "days on 4 x trn1.32xlarge), above budget.monthly_usd 1000; shorten steps, or set budget.accept_forecast_usd "
-        "to at least 41301 to accept it\n"
+        "to at least 41304 to accept it\n"
     )
     assert not any((tmp_path / "out").iterdir())
 

@@ -10,7 +10,7 @@ import botocore.session
 import pytest
 from botocore.validate import ParamValidator
 
-from stacks.monitoring import ALARM_METRICS, FSX_FREE_ALARM_FRACTION, GIB
+from stacks.monitoring import ALARM_METRICS, FSX_FREE_ALARM_FRACTION, GIB, THROUGHPUT_FLOOR_PERIODS
 from stacks.training_environment import memory_plan_line
 from tests.conftest import ROOT
 from tests.infra.conftest import Synthesized
@@ -18,7 +18,14 @@ from training.config.recipe import load_recipe
 from training.monitoring import cloudwatch as names
 from training.train.memory import HARDWARE, planned_gib_per_core
 
-ALARMS = ("training-stalled", "stage-failed", "fsx-low-free-capacity", "head-node-unhealthy")
+ALARMS = (
+    "training-stalled",
+    "stage-failed",
+    "late-compilation",
+    "throughput-below-floor",
+    "fsx-low-free-capacity",
+    "head-node-unhealthy",
+)
 # What the cluster's publishers send (training/monitoring/cloudwatch.py) and the dashboard must show.
 SHOWN = (
     names.TRAINING_LOSS,
@@ -28,6 +35,10 @@ SHOWN = (
     names.GRADIENT_NORM,
     names.LEARNING_RATE,
     names.MOE_DROPPED_TOKENS,
+    names.LATE_COMPILATIONS,
+    names.THROUGHPUT_FRACTION,
+    names.BELOW_THROUGHPUT_FLOOR,
+    names.STAGE_SECONDS,
     names.SLURM_JOBS,
     names.TRAINING_JOBS_RUNNING,
     names.FAILED_STAGES,
@@ -145,6 +156,29 @@ def test_smoke_stalls_after_its_own_window_and_mails_its_address(smoke_env: Synt
 def test_default_has_no_mail_subscription(default_env: Synthesized) -> None:
     assert default_env.config.monitoring.alarm_email is None
     assert not default_env.resources_of_type("AWS::SNS::Subscription")
+
+
+def test_a_late_compilation_alarms_at_once_and_a_floor_only_when_held(default_env: Synthesized) -> None:
+    """LateCompilations is the process's running count: any value above 0 in five minutes fires. The floor's flag
+    must be 1 at every logged step (its Minimum) for THROUGHPUT_FLOOR_PERIODS periods in a row."""
+    late = alarms_of(default_env)["late-compilation"]
+    (query,) = late["Metrics"]
+    stat = query["MetricStat"]
+    assert (stat["Metric"]["MetricName"], stat["Stat"], stat["Period"]) == (names.LATE_COMPILATIONS, "Maximum", 300)
+    assert "Dimensions" not in stat["Metric"]  # the series every run sends
+    assert (late["ComparisonOperator"], late["Threshold"], late["EvaluationPeriods"]) == ("GreaterThanThreshold", 0, 1)
+    floor = alarms_of(default_env)["throughput-below-floor"]
+    (query,) = floor["Metrics"]
+    stat = query["MetricStat"]
+    assert (stat["Metric"]["MetricName"], stat["Stat"], stat["Period"]) == (
+        names.BELOW_THROUGHPUT_FLOOR,
+        "Minimum",
+        300,
+    )
+    assert (floor["ComparisonOperator"], floor["Threshold"]) == ("GreaterThanOrEqualToThreshold", 1)
+    assert floor["EvaluationPeriods"] == floor["DatapointsToAlarm"] == THROUGHPUT_FLOOR_PERIODS
+    for alarm in (late, floor):
+        assert alarm["TreatMissingData"] == "notBreaching"  # no training job: nothing to alarm on
 
 
 def test_fsx_alarm_fires_under_a_tenth_of_the_capacity(default_env: Synthesized) -> None:

@@ -20,7 +20,8 @@ from tests.neuron.one_rank import free_port, one_rank_neuron_backend
 from training.formats.convert import ConvertOptions, convert
 from training.formats.readers import lazy_tensors, open_checkpoint_file
 from training.local.tiny import build_tiny_world
-from training.train.loop import KILL_AT_STEP
+from training.train.loop import CHANGE_GRAPH_AT_STEP, KILL_AT_STEP
+from training.train.watchdog import read_stop
 
 # Relative tolerance of the neuron backend's per-step loss and gradient norm against the cpu backend's: both
 # run fp32, but torch-xla fuses differently and the neuron AdamW keeps its bias corrections on the device
@@ -147,6 +148,38 @@ def test_graph_discipline(runs: dict[str, Path]) -> None:
             transfers = record["xla_transfers_to_host"] - previous["xla_transfers_to_host"]
             assert executions == MICRO_BATCHES + 1, (step, executions)
             assert transfers == READS_PER_STEP, (step, transfers)
+    # The watch (training.train.watchdog) agrees: the first save's graphs are a first use, not a cache miss.
+    assert [r["late_compilations"] for r in records] == [0] * STEPS
+    assert not any("late_compilation_step" in r for r in records)
+
+
+LATE_STEP = 5
+
+
+@pytest.mark.parametrize("fatal", [False, True])
+def test_a_graph_compiled_after_step_2_is_a_late_compilation_and_fatal_when_asked(
+    fatal: bool, worlds: dict[str, dict[str, Path]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step graph gets one more operation at step 5 (CHANGE_GRAPH_AT_STEP), as a graph changed since the
+    compile stage: torch-xla compiles it, the record of step 5 counts it and names the step; with
+    neuron.fail_on_late_compile the job ends there with that one line, recorded as its stop."""
+    monkeypatch.setenv(CHANGE_GRAPH_AT_STEP, str(LATE_STEP))
+    extra = ["neuron.fail_on_late_compile=true"] if fatal else []
+    result = train(worlds["llama"], "llama", "neuron", tmp_path, *extra)
+    records = {r["step"]: r for r in metrics(tmp_path)}
+    assert [records[s]["late_compilations"] for s in range(1, LATE_STEP)] == [0] * (LATE_STEP - 1)
+    assert records[LATE_STEP]["late_compilations"] == 1 and records[LATE_STEP]["late_compilation_step"] == LATE_STEP
+    line = f"train compiled a graph at step {LATE_STEP}: the compile cache missed (the training step's graph"
+    assert line in result.stderr
+    stop = read_stop(tmp_path)
+    if not fatal:
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert stop is None and records[STEPS]["late_compilations"] == 1  # counted once, the run goes on
+        return
+    assert result.returncode != 0 and max(records) == LATE_STEP
+    assert stop is not None and stop["step"] == LATE_STEP
+    assert stop["reason"].startswith(line) and stop["reason"].endswith("(neuron.fail_on_late_compile)")
+    assert f"error: {stop['reason']}" in result.stderr.splitlines()
 
 
 def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:

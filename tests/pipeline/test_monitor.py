@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.support.parallelcluster_shell import non_login_environment, parallelcluster_path
@@ -72,6 +73,16 @@ def test_monitor_cluster_dry_run_on_the_local_slurm(local_slurm: LocalSlurm, tmp
             "submissions": [{"jobs": {"prepare": prepare, "train": train, "convert-out": convert}}],
         }
         (run_dir / "run.json").write_text(json.dumps(record))
+        # The jobs' timeline and the train stage's first step (as base.sbatch.j2 and the training job write them)
+        now = time.time()
+        events = [
+            {"stage": "prepare", "event": "start", "time": now - 100, "job": prepare},
+            {"stage": "train", "event": "start", "time": now - 60, "job": train, "node_boot": now - 900.0},
+        ]
+        (run_dir / "timeline.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        (run_dir / "checkpoints").mkdir()
+        first_step = {"step": 1, "loss": 2.0, "time": now - 15}
+        (run_dir / "checkpoints" / "metrics.jsonl").write_text(json.dumps(first_step) + "\n")
         site_file = tmp_path / "site.yaml"
         site_file.write_text(yaml.safe_dump(site.model_dump(mode="json")))
         home = tmp_path / "home"
@@ -108,3 +119,6 @@ def test_monitor_cluster_dry_run_on_the_local_slurm(local_slurm: LocalSlurm, tmp
     assert set(nodes) == {"allocated", "idle", "powering_up", "powered_down", "down"}
     assert sum(nodes.values()) == len(local_slurm.nodes)
     assert nodes["allocated"] >= 1 and nodes["down"] == 0
+    # While the run is active: the time to its first step; prepare failed (no end), no bootstrap on this machine.
+    stages = {dict(dims)["Stage"]: value for (name, dims), value in sent.items() if name == cloudwatch.STAGE_SECONDS}
+    assert stages == {"first-step": pytest.approx(45.0, abs=0.01)}

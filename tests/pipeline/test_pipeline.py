@@ -31,7 +31,7 @@ from tests.support.parallelcluster_shell import (
 from training import outputs
 from training.config.site import Site
 from training.local.tiny import make_tiny_sources
-from training.pipeline import runs
+from training.pipeline import runs, timeline
 from training.train.loop import KILL_AT_STEP
 
 TIMEOUT = 600
@@ -199,7 +199,9 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     assert samples and all(s["greedy"] for s in samples)
     metrics = [json.loads(line) for line in (exported / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 11)) and metrics[-1]["loss"] < metrics[0]["loss"]
-    assert (exported / "logs").is_dir() and (exported / "run.json").is_file()
+    assert (
+        (exported / "logs").is_dir() and (exported / "run.json").is_file() and (exported / "timeline.jsonl").is_file()
+    )
     card = ModelCard.load(exported / "hf" / "README.md")  # the model card, as the Hub reads it
     assert card.data.license == "unknown" and card.data.pipeline_tag == "text-generation"  # a base without record
     assert {"continued-pretraining" if name == "llama" else "supervised-fine-tuning", "trainium"} <= set(card.data.tags)
@@ -210,6 +212,12 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     assert list(evaluation["tasks"]) == ["tiny_choice"] and evaluation["tasks"]["tiny_choice"]["limit"] == 24
     assert evaluation["tasks"]["tiny_choice"]["base"] is not None and evaluation["gate"]["max_drop"] == 50
     assert "| tiny_choice | acc |" in (exported / "evaluation.md").read_text()
+    # Each stage's job recorded its start and end once in the run's timeline, in the order they ran.
+    attempts = timeline.latest_attempts(timeline.read_timeline(run_dir))
+    assert sorted(attempts) == sorted(stages) and all(
+        a.seconds is not None and a.seconds >= 0 for a in attempts.values()
+    )
+    assert attempts["compile"].end <= attempts["train"].start <= attempts["train"].end <= attempts["export"].start  # type: ignore[operator]
 
 
 def test_training_over_two_nodes_matches_one_node(
@@ -255,6 +263,44 @@ def test_killed_training_job_is_requeued_and_ends_with_identical_weights(
     actual = model_tensors(run_dir / "checkpoints" / "step_10")
     assert expected.keys() == actual.keys()
     assert all(torch.equal(value, actual[key]) for key, value in expected.items())
+
+
+def test_a_run_below_its_throughput_floor_stops_with_the_reason_not_requeued_and_status_shows_it(
+    slurm: Any, sources: dict[str, dict[str, Path]], site: Site, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An expected figure no CPU reaches, with throughput.cancel_below_floor: the train job stops at the first full
+    window after the warm-up, is not requeued, its dependants are cancelled, and `status` prints the reason, actual
+    against expected and the time to first step from the jobs' own timeline."""
+    floor = (
+        "throughput.expected_tokens_per_second_per_node=1e12",
+        "throughput.warmup_steps=2",
+        "throughput.window_steps=2",
+        "throughput.cancel_below_floor=true",
+    )
+    run_dir = run("tiny-llama-cpt", sources["llama"], site, "llama-below-floor", "steps=10", *floor)
+    final = states(run_dir)
+    assert final["compile"] == "COMPLETED" and final["train"] == "FAILED", final
+    assert {final[s] for s in ("convert-out", "evaluate", "sample", "export")} == {"CANCELLED"}
+    job = recorded_jobs(run_dir)["train"]
+    assert runs.job_info(job, site.slurm_bin).get("Restarts") == "0"
+    reason = "throughput below the floor at step 4: actual "
+    assert f"train stopped, not requeued: {reason}" in (run_dir / "logs" / f"train-{job}.out").read_text()
+    runs.print_status(run_dir)
+    printed = capsys.readouterr().out.splitlines()
+    assert any(line.startswith(f"train stopped, not requeued: {reason}") for line in printed), printed
+    assert any(
+        line.startswith("throughput at step 4: actual ") and "per node against expected 1,000,000,000,000 (0%)" in line
+        for line in printed
+    ), printed
+    block = printed[printed.index("time to first step:") + 1 : printed.index("")]  # the failed job's log follows
+    names = [line.split()[0] for line in block]
+    assert names == ["bootstrap", "prepare", "convert-in", "compile", "train", "first-step", "total"], printed
+    events = timeline.read_timeline(run_dir)
+    assert [(e["stage"], e["event"]) for e in events if e["stage"] in ("compile", "train")] == [
+        ("compile", "start"),
+        ("compile", "end"),
+        ("train", "start"),  # no end: the job failed
+    ]
 
 
 def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(

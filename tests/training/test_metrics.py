@@ -103,6 +103,7 @@ def test_tensorboard_holds_the_values_of_the_json_lines(world: dict[str, Path], 
             "throughput/tokens_per_second",
             "throughput/seq_per_second",
             "throughput/mfu",
+            "throughput/tokens_per_second_per_node",
         }
         == expected.keys()
         == found.keys()
@@ -223,6 +224,47 @@ def test_percentages_and_optional_values_reach_cloudwatch(fake_aws: None) -> Non
     for name, (value, unit) in expected.items():
         point = statistics(client, name, [], started)
         assert (point["Maximum"], point["SampleCount"], point["Unit"]) == (value, 1, unit), name
+
+
+@mock_aws
+def test_the_throughput_floor_reaches_cloudwatch_with_and_without_the_run(
+    world: dict[str, Path], tmp_path: Path, fake_aws: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run far below its expected figure (no warm-up, a window of one step): every record's fraction of the
+    expected tokens/s per node in percent and the below-the-floor flag, as the alarm reads them."""
+    monkeypatch.setenv(NAMESPACE_VARIABLE, NAMESPACE)
+    monkeypatch.setenv(RUN_ID_VARIABLE, RUN_ID)
+    started = time.time()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    floor = ("throughput.expected_tokens_per_second_per_node=1e12", "throughput.warmup_steps=0")
+    train(TrainOptions(recipe=recipe(world, checkpoints, "steps=3", *floor, "throughput.window_steps=1")))
+    records = read_metrics(checkpoints / "metrics.jsonl")
+    client = boto3.client("cloudwatch")
+    percents = [100 * r["throughput_fraction"] for r in records]
+    run = [{"Name": "Run", "Value": RUN_ID}]
+    flag = statistics(client, cloudwatch.BELOW_THROUGHPUT_FLOOR, run, started)
+    assert (flag["Minimum"], flag["Maximum"], flag["SampleCount"], flag["Unit"]) == (1.0, 1.0, 3, "None")
+    fraction = statistics(client, cloudwatch.THROUGHPUT_FRACTION, run, started)
+    assert fraction["Unit"] == "Percent" and fraction["SampleCount"] == 3
+    for dimensions in ([], run):  # moto's query without dimensions matches the Run series too: the range only
+        fraction = statistics(client, cloudwatch.THROUGHPUT_FRACTION, dimensions, started)
+        assert (fraction["Minimum"], fraction["Maximum"]) == pytest.approx((min(percents), max(percents)), rel=1e-9)
+        assert statistics(client, cloudwatch.BELOW_THROUGHPUT_FLOOR, dimensions, started)["Minimum"] == 1.0
+    assert 0 < max(percents) < 1e-3
+
+
+@mock_aws
+def test_late_compilations_reach_cloudwatch_as_a_count(fake_aws: None) -> None:
+    """A Neuron record's late compilations (the CPU backend has none: tests/neuron makes them)."""
+    started = time.time()
+    sender = CloudWatchSender(NAMESPACE, RUN_ID)
+    record = {"step": 9, "loss": 2.0, "xla_compilations": 7, "late_compilations": 2, "late_compilation_step": 9}
+    sender.write({**record, "time": started})
+    sender.close()
+    client = boto3.client("cloudwatch")
+    point = statistics(client, cloudwatch.LATE_COMPILATIONS, [{"Name": "Run", "Value": RUN_ID}], started)
+    assert (point["Maximum"], point["SampleCount"], point["Unit"]) == (2.0, 1, "Count")
+    assert statistics(client, cloudwatch.LATE_COMPILATIONS, [], started)["Maximum"] == 2.0
 
 
 def test_a_cloudwatch_error_is_one_warning(fake_aws: None, caplog: pytest.LogCaptureFixture) -> None:

@@ -180,7 +180,28 @@ def test_a_bad_compiler_flag_is_refused_in_one_line(value: str, problem: str) ->
         (
             "neuron.cache_dir=/x",
             "neuron.cache_dir: unknown key; allowed keys here: compiler_flags, inflight_requests, "
-            "retry_failed_compilation",
+            "retry_failed_compilation, fail_on_late_compile",
+        ),
+        (
+            "neuron.fail_on_late_compile=1",
+            "neuron.fail_on_late_compile: 1 is not allowed; allowed: true or false",
+        ),
+        (
+            "throughput.floor_fraction=0",
+            "throughput.floor_fraction: 0 is not allowed; allowed: a number above 0, at most 1",
+        ),
+        (
+            "throughput.floor_fraction=1.5",
+            "throughput.floor_fraction: 1.5 is not allowed; allowed: a number above 0, at most 1",
+        ),
+        (
+            "throughput.expected_tokens_per_second_per_node=-3",
+            "throughput.expected_tokens_per_second_per_node: -3 is not allowed; allowed: a finite number above 0 "
+            "(or omit it)",
+        ),
+        (
+            "throughput.window_steps=0",
+            "throughput.window_steps: 0 is not allowed; allowed: an integer above 0",
         ),
     ],
 )

@@ -11,7 +11,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, Strict
+from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from pydantic_core import PydanticCustomError
 
 from training.config.loading import (
@@ -28,6 +28,7 @@ from training.config.loading import (
     StrictModel,
     Text,
     YamlSyntaxError,
+    _yaml_number,
     build,
     check,
     has_control_characters,
@@ -198,6 +199,50 @@ class NeuronSection(StrictModel):
         description="run the compile stage as `neuron_parallel_compile --retry_failed_compilation`: compile "
         "again the graphs the cache records as failed",
     )
+    fail_on_late_compile: Bool = Field(
+        False,
+        description="stop the training job, with one line naming the step, when it compiles a graph the compile "
+        "stage did not (a step graph after the process's first two steps, or a validation or checkpoint graph a "
+        "second time): the compile cache missed, and each miss costs minutes of every node",
+    )
+
+
+# The throughput floor's fraction of the expected figure: above 0 (0 would be no floor: omit the expectation
+# instead), at most 1.
+FloorFraction = Annotated[
+    float,
+    Strict(),
+    Field(gt=0, le=1, allow_inf_nan=False),
+    BeforeValidator(_yaml_number),
+    Allowed("a number above 0, at most 1"),
+]
+
+
+class ThroughputSection(StrictModel):
+    """The throughput floor of the training job: after a warm-up, the median tokens/s per node of a window of
+    logged steps below `floor_fraction` of the expected figure is an alarm (metric BelowThroughputFloor), a line
+    in `status`, and with `cancel_below_floor` the job's end."""
+
+    expected_tokens_per_second_per_node: PositiveFloat | None = Field(
+        None,
+        description="what one node should do; default: the run's forecast (`submit` resolves it from the model, "
+        "the sequence length and the site's instance type); none known (the CPU backend, an unknown model): no floor",
+    )
+    # Half: the published figure's band is 0.87-1.11 of its expected value and a healthy run stays inside it; a
+    # derived figure (a model nothing is published for) may be optimistic by a fifth or more. Below half, something
+    # is broken (a recompiling graph, a slow node or link, a host-bound data loader), not a little slow.
+    floor_fraction: FloorFraction = Field(0.5, description="the floor, a fraction of the expected tokens/s per node")
+    warmup_steps: NonNegativeInt = Field(
+        10,
+        description="steps of each training process before the floor applies (its first steps load graphs and "
+        "weights; a resumed process warms up again)",
+    )
+    window_steps: PositiveInt = Field(
+        5, description="logged steps whose median is compared with the floor (one slow checkpoint step is not)"
+    )
+    cancel_below_floor: Bool = Field(
+        False, description="stop the training job (not requeued) with the reason when the window is below the floor"
+    )
 
 
 class BatchSection(StrictModel):
@@ -321,6 +366,7 @@ class Recipe(StrictModel):
     memory: MemorySection = MemorySection()
     moe: MoeSection = MoeSection()
     neuron: NeuronSection = NeuronSection()
+    throughput: ThroughputSection = ThroughputSection()
     schedule: ScheduleSection = ScheduleSection()
     backend: BackendName = "neuron"
     precision: Precision = Field(

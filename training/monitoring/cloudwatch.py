@@ -28,11 +28,15 @@ TOKENS_PER_SECOND = "TokensPerSecond"
 SEQUENCES_PER_SECOND = "SequencesPerSecond"
 MFU = "ModelFlopsUtilization"  # percent of the workers' peak
 MOE_DROPPED_TOKENS = "MoEDroppedTokens"  # percent of the step's token-expert choices
+LATE_COMPILATIONS = "LateCompilations"  # graphs compiled that the compile stage did not (training.train.watchdog)
+THROUGHPUT_FRACTION = "ThroughputFraction"  # percent of the expected tokens/s per node (the window's median)
+BELOW_THROUGHPUT_FLOOR = "BelowThroughputFloor"  # 1 while that median is below the recipe's floor, else 0
 # The head node, every minute.
 SLURM_JOBS = "SlurmJobs"  # dimension State: RUNNING or PENDING
 TRAINING_JOBS_RUNNING = "TrainingJobsRunning"  # jobs of the train stage that are running
 FAILED_STAGES = "FailedStages"  # stages of the newest run that ended in failure
 SLURM_NODES = "SlurmNodes"  # dimensions Partition and State (allocated, idle, powering, down)
+STAGE_SECONDS = "StageSeconds"  # dimension Stage: the newest run's time to first step, phase by phase
 # Each compute node, every minute, from the Neuron monitor.
 NEURONCORE_UTILIZATION = "NeuronCoreUtilization"  # percent, the mean over the node's NeuronCores
 NEURONCORE_MEMORY_USED = "NeuronCoreMemoryUsed"  # bytes, the most any of the node's NeuronCores holds

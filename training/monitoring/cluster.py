@@ -13,12 +13,15 @@ data:
 - FailedStages: stages of the newest run that failed (FAILED_STATES), or that can never run because an `afterok`
   dependency failed (Reason DependencyNeverSatisfied: the failed job itself may be forgotten by Slurm already).
 - SlurmNodes, dimensions Partition and State: nodes per partition in one of NODE_STATES (see `node_state`).
+- StageSeconds, dimension Stage: the newest run's time to first step phase by phase (training.pipeline.timeline),
+  only while the run is active and a while after (no zeros: a phase not measured is not a duration).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -37,7 +40,7 @@ from training.monitoring.cloudwatch import (
     print_requests,
     put_metrics,
 )
-from training.pipeline import runs
+from training.pipeline import runs, timeline
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +183,21 @@ def collect(site: Site) -> list[Datum]:
         pass  # no run yet
     data.append(failed_stages(rows, run_dir))
     data.extend(node_data(sinfo, partitions))
+    if run_dir is not None:
+        data.extend(stage_data(run_dir, rows, time.time()))
     return data
+
+
+def stage_data(run_dir: Path, rows: Iterable[Mapping[str, Any]], now: float) -> list[Datum]:
+    """StageSeconds of the run in `run_dir`, whose stage rows (runs.stage_states) say whether it is active."""
+    events = timeline.read_timeline(run_dir)
+    if not events:
+        return []
+    attempts = timeline.latest_attempts(events)
+    train = attempts.get(timeline.TRAIN)
+    first = timeline.first_step_time(runs.train_records(run_dir), train.start) if train is not None else None
+    active = any(row.get("state") in runs.ACTIVE_STATES for row in rows)
+    return timeline.stage_seconds(runs.read_run(run_dir)["stages"], attempts, first, active=active, now=now)
 
 
 def monitor_cluster(site: Site, namespace: str, *, dry_run: bool, client: MetricsClient | None = None) -> list[Datum]:

@@ -52,6 +52,7 @@ EXPORTED = (
     "logs",
     "run.json",
     "recipe.yaml",
+    "timeline.jsonl",  # each stage's start and end (training.pipeline.timeline), up to the export's own start
 )
 
 

@@ -40,11 +40,13 @@ from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.config.tracking import tracking_environment
 from training.errors import UserError
+from training.pipeline import timeline
 from training.pipeline.hub import complete_fetch
 from training.train.batches import BatchPlan
 from training.train.forecast import Forecast, budget_refusal, forecast_of
 from training.train.memory import DEFAULT_HARDWARE, HARDWARE, Hardware, model_config, refusal
 from training.train.metrics import METRICS_FILE, read_metrics
+from training.train.watchdog import STOP_FILE, floor_line, late_compile_line, read_stop
 
 TEMPLATES = Path(os.environ.get("TRAINING_TEMPLATES", Path(__file__).resolve().parents[2] / "assets" / "slurm"))
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
@@ -241,9 +243,19 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
     if recipe.model.pretrained is not None:
         settings["model"]["pretrained"] = str(run_dir / "pretrained_weight")
     settings["checkpoint"]["dir"] = str(run_dir / "checkpoints")
+    settings["throughput"]["expected_tokens_per_second_per_node"] = expected_tokens_per_node(recipe, site)
     if recipe.evaluate is not None:
         settings["evaluate"]["include"] = [str(Path(directory).absolute()) for directory in recipe.evaluate.include]
     return RunPlan(run_id, run_dir, recipe, settings, site, stages)
+
+
+def expected_tokens_per_node(recipe: Recipe, site: Site) -> float | None:
+    """The throughput floor's expected figure: the recipe's, else the run's forecast on the site's instance type
+    (None for the local demo, the CPU backend or a model without a known config.json: no floor)."""
+    if recipe.throughput.expected_tokens_per_second_per_node is not None:
+        return recipe.throughput.expected_tokens_per_second_per_node
+    forecast = site_forecast(recipe, site)
+    return None if forecast is None else round(forecast.throughput.expected * recipe.batch.seq_len, 1)
 
 
 def _absolute_if_local(source: str) -> str:
@@ -452,6 +464,9 @@ def render(plan: RunPlan) -> dict[str, str]:
             "scontrol": f"{slurm}scontrol",
             "srun": f"{slurm}srun",
             "slurm_bin": site.slurm_bin,
+            "timeline_file": timeline.TIMELINE_FILE,
+            "bootstrap_end_file": timeline.BOOTSTRAP_END_FILE,
+            "stop_file": STOP_FILE,
         }
         if stage.distributed:
             context |= {
@@ -782,6 +797,53 @@ def describe_progress(progress: dict[str, Any]) -> str:
     return line
 
 
+def train_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The train stage's metrics records, none while it has logged no step."""
+    try:
+        return read_metrics(run_dir / "checkpoints" / METRICS_FILE)
+    except UserError:
+        return []  # no step logged yet (the table's note says why when there is a file)
+
+
+def watch_lines(run_dir: Path) -> list[str]:
+    """What the training job found in itself (training.train.watchdog): its stop, a late compilation, its
+    throughput against the expected figure."""
+    settings = read_run(run_dir).get("settings") or {}
+    stop = read_stop(run_dir / "checkpoints")
+    lines = [f"train stopped, not requeued: {stop['reason']}"] if stop else []
+    records = train_records(run_dir)
+    late = [r for r in records if r.get("late_compilations")]
+    if late and not (stop and "compile cache missed" in stop["reason"]):
+        last = late[-1]
+        lines.append(
+            late_compile_line(int(last.get("late_compilation_step", last["step"])), int(last["late_compilations"]))
+        )
+    throughput = settings.get("throughput") or {}
+    expected = throughput.get("expected_tokens_per_second_per_node")
+    measured = [r for r in records if r.get("throughput_fraction") is not None]
+    if expected and measured:
+        fraction = float(measured[-1]["throughput_fraction"])
+        line = floor_line(fraction * float(expected), float(expected), fraction, float(throughput["floor_fraction"]))
+        lines.append(f"throughput at step {measured[-1]['step']}: {line}")
+    elif expected and records:
+        lines.append(
+            f"throughput: expected {float(expected):,.0f} tokens/s per node, compared after "
+            f"{throughput.get('warmup_steps')} steps of warm-up and a window of {throughput.get('window_steps')}"
+        )
+    return lines
+
+
+def timeline_lines(run_dir: Path) -> list[str]:
+    """The "time to first step" block (training.pipeline.timeline), from the run's timeline and metrics."""
+    events = timeline.read_timeline(run_dir)
+    if not events:
+        return []
+    attempts = timeline.latest_attempts(events)
+    train = attempts.get(timeline.TRAIN)
+    first = timeline.first_step_time(train_records(run_dir), train.start) if train is not None else None
+    return timeline.describe(read_run(run_dir)["stages"], attempts, first)
+
+
 def unavailable_nodes(sinfo_reasons: str) -> str | None:
     """One line from `sinfo --list-reasons --format=%E|%T|%N`: why nodes are down or drained, e.g.
     ParallelCluster's "(Code:InsufficientInstanceCapacity)Failure when resuming nodes"; None if none are."""
@@ -823,6 +885,8 @@ def print_status(run_dir: Path) -> list[dict[str, Any]]:
     for row in rows:
         if row.get("metrics"):
             print(describe_progress(row["metrics"]))
+    for line in watch_lines(run_dir) + timeline_lines(run_dir):
+        print(line)
     for row in rows:
         if row.get("log"):
             print(f"\n{row['stage']} ended {row['state']}; last lines of {row['log']}:")

@@ -42,13 +42,28 @@ from training.train.loader import TrainingData, check_data_kind
 from training.train.metrics import open_metrics
 from training.train.optimizer import TrainingOptimizer, neuron_trainer_options, zero1_where_it_shards
 from training.train.precision import PARAMETER_DTYPE
+from training.train.watchdog import (
+    CHECKPOINT,
+    COMPILE_STEPS,
+    STEP,
+    STOP_FILE,
+    VALIDATION,
+    CompileWatch,
+    RunStopped,
+    floor_line,
+    floor_verdict,
+    late_compile_line,
+    write_stop,
+)
 
 log = logging.getLogger(__name__)
-COMPILE_STEPS = 2  # step 1's optimizer graph differs from the steady state of step 2 (REFERENCE.md s7)
 # Fault injection for tests of resume and requeue: the given rank SIGKILLs itself after finishing the step,
 # once per checkpoint directory.
 KILL_AT_STEP = "TRAINING_KILL_AT_STEP"
 KILL_RANK = "TRAINING_KILL_RANK"
+# Fault injection for the late-compilation tests: the step's graph gets one more operation at this step (the
+# values stay the same), as a graph changed since the compile stage would.
+CHANGE_GRAPH_AT_STEP = "TRAINING_CHANGE_GRAPH_AT_STEP"
 
 
 @dataclass(frozen=True)
@@ -199,6 +214,7 @@ def _run(
         start = int(content["step"])
     if rank == 0 and not options.compile_only:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        (checkpoint_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier process's stop, resubmitted since
         copy_companions(config_path.parent, config_path, checkpoint_dir)  # so `convert --from nxd` stands alone
     last = COMPILE_STEPS if options.compile_only else recipe.steps
     flops_per_token = model_flops_per_token(config, recipe.batch.seq_len)
@@ -230,6 +246,54 @@ def _run(
         choices_per_step = tokens * model.config.experts_per_token * model.spec.num_layers
     window = _Window(time.perf_counter())
     completed = False
+    # Rank 0 watches the run's graphs (Neuron only: the CPU backend compiles none) and its throughput.
+    watch = CompileWatch(start) if rank == 0 and parallel.backend() == "neuron" and not options.compile_only else None
+    floor = recipe.throughput
+    expected = floor.expected_tokens_per_second_per_node if not options.compile_only else None
+    nodes = _nodes()
+    per_node: list[tuple[int, float]] = []
+    below: list[bool] = [False]  # the floor's last verdict: a warning when it changes, not at every step
+    stop: list[str] = []  # the reason rank 0 stops the job, set by a watch below
+
+    def watch_compilations(done: int, phase: str, count: int | None = None) -> None:
+        """After `phase` of step `done` ran; `count`: the compilations so far, if already read."""
+        if watch is None:
+            return
+        count = compilations() if count is None else count
+        if count is None:
+            return
+        late = watch.observe(done, phase, count)
+        if late:
+            line = late_compile_line(done, late, phase)
+            log.warning(line)
+            if recipe.neuron.fail_on_late_compile and not stop:
+                stop.append(f"{line} (neuron.fail_on_late_compile)")
+
+    def watch_throughput(done: int, record: dict[str, Any]) -> None:
+        tokens = record["tokens_per_second"] / nodes
+        record["tokens_per_second_per_node"] = round(tokens, 2)
+        if expected is None:
+            return
+        per_node.append((done, tokens))
+        del per_node[: -floor.window_steps]  # the window is all the verdict reads
+        verdict = floor_verdict(
+            per_node,
+            start=start,
+            expected=expected,
+            floor_fraction=floor.floor_fraction,
+            warmup_steps=floor.warmup_steps,
+            window_steps=floor.window_steps,
+        )
+        if verdict.fraction is None or verdict.tokens_per_node is None:
+            return
+        record["throughput_fraction"] = float(f"{verdict.fraction:.6g}")  # significant digits: far below is tiny
+        record["below_throughput_floor"] = int(verdict.below)
+        line = floor_line(verdict.tokens_per_node, expected, verdict.fraction, floor.floor_fraction)
+        if verdict.below != below[0]:
+            (log.warning if verdict.below else log.info)(f"throughput at step {done}: {line}")
+            below[0] = verdict.below
+        if verdict.below and floor.cancel_below_floor and not stop:
+            stop.append(f"throughput below the floor at step {done}: {line} (throughput.cancel_below_floor)")
 
     def report(
         done: int,
@@ -249,7 +313,13 @@ def _run(
             record["moe_dropped"] = round(float(dropped_tensor), 6)  # fraction of the step's expert choices
         peak_flops = recipe.peak_tflops_per_worker * 1e12 * parallel.world_size()
         record["mfu"] = round(flops_per_token * record["tokens_per_second"] / peak_flops, 6)
-        record.update(graph_counters())
+        counters = graph_counters()
+        record.update(counters)
+        if rank == 0:
+            watch_compilations(done, VALIDATION if validation_tensor is not None else STEP, counters.get(COMPILED))
+            if watch is not None:
+                record.update(watch.fields())
+            watch_throughput(done, record)
         losses.append(loss)
         if metrics is not None:
             metrics.write(record)
@@ -274,6 +344,8 @@ def _run(
             learning_rate = optimizer.lr
             grad_norm = optimizer.step()
             loss = _data_parallel_mean(total / plan.accumulation)
+            if _graph_change_injected(step + 1):
+                loss = loss + torch.zeros((), device=device)  # the same value, one more operation: a new graph
             dropped_fraction = None if dropped is None else _data_parallel_mean(dropped / choices_per_step)
             done = step + 1
             window.steps += 1
@@ -285,6 +357,8 @@ def _run(
             # The optimizer step's graph, the same whatever else the step does (validation, logging, saving), so
             # the compile stage's two steps compile every graph the run needs; the closure runs after it.
             parallel.mark_step()
+            watch_compilations(done, STEP)
+            _stop_if_asked(stop, checkpoint_dir, done)
             if validating:
                 assert validation is not None
                 validation_loss = _validation_loss(
@@ -292,6 +366,8 @@ def _run(
                 )
                 parallel.add_step_closure(report, (*values, validation_loss, dropped_fraction))
                 parallel.mark_step()  # the validation mean's own small graph
+                watch_compilations(done, VALIDATION)
+                _stop_if_asked(stop, checkpoint_dir, done)
             if not options.compile_only and _checkpoint_due(recipe, done):
                 user_content = {"step": done, "consumed_samples": done * plan.global_batch}
                 save_checkpoint(
@@ -305,6 +381,8 @@ def _run(
                 )
                 if rank == 0:
                     log.info(f"checkpoint step_{done} saved in {checkpoint_dir}")
+                watch_compilations(done, CHECKPOINT)
+                _stop_if_asked(stop, checkpoint_dir, done)
             _fault_injection(done, checkpoint_dir)
         if options.compile_only:
             # What a checkpoint save runs on the device besides copies to the host: neuronx-distributed's save
@@ -415,6 +493,39 @@ def _data_parallel_mean(value: torch.Tensor) -> torch.Tensor:
     return value / parallel.dp_size()
 
 
+COMPILED = "xla_compilations"
+
+
+def compilations() -> int | None:
+    """On Neuron, the graphs this process has compiled so far (torch-xla compiles in `mark_step` itself, before
+    the graph runs asynchronously: no wait); None on the CPU backend, which compiles none."""
+    if parallel.backend() != "neuron":
+        return None
+    import torch_xla.debug.metrics as xla_metrics
+
+    data = xla_metrics.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def _nodes() -> int:
+    """Nodes of the launched job: torchrun's processes over those of one node (1 without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return max(1, world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))))
+
+
+def _stop_if_asked(stop: list[str], checkpoint_dir: Path, step: int) -> None:
+    """Rank 0 ends the job when a watch asked it to: the reason recorded first (the job script does not requeue a
+    stopped job), then raised; torchrun ends the other ranks."""
+    if not stop:
+        return
+    write_stop(checkpoint_dir, stop[0], step)
+    raise RunStopped(stop[0])  # the CLI's `error:` line
+
+
+def _graph_change_injected(step: int) -> bool:
+    return os.environ.get(CHANGE_GRAPH_AT_STEP) == str(step)
+
+
 def graph_counters() -> dict[str, int]:
     """On Neuron, torch-xla's cumulative counts of graph compilations, executions and device-to-host transfers
     (a step that compiles after the first two is a recompilation: each costs minutes on Trainium)."""
@@ -432,7 +543,7 @@ def graph_counters() -> dict[str, int]:
         return int(data[0]) if data else 0
 
     return {
-        "xla_compilations": count("CompileTime"),
+        COMPILED: count("CompileTime"),
         "xla_executions": count("ExecuteTime"),
         "xla_transfers_to_host": count("TransferFromDeviceTime"),
     }

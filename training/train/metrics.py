@@ -1,8 +1,10 @@
 """Where rank 0 of a training job puts its metrics: one `MetricsSink`, three destinations.
 
 Each logged step is one record (`step`, `loss`, `lr`, `grad_norm`, `seq_per_second`, `tokens_per_second`,
-`time`, and when there are such values `validation_loss`, `moe_dropped` and `mfu` as fractions, `xla_*`
-counters on Neuron). The sink writes it to:
+`time`, `tokens_per_second_per_node`, and when there are such values `validation_loss`, `moe_dropped` and `mfu`
+as fractions, `xla_*` counters and `late_compilations` (with `late_compilation_step`) on Neuron,
+`throughput_fraction` and `below_throughput_floor` once the throughput floor applies: training.train.watchdog).
+The sink writes it to:
 
 - the JSON lines file `<checkpoint.dir>/metrics.jsonl` (`metrics-compile.jsonl` for a compile run, or the
   `--metrics` path): every record as logged, appended, so a resumed run logs the steps after its checkpoint
@@ -64,6 +66,9 @@ TAGS = {
     "tokens_per_second": "throughput/tokens_per_second",
     "seq_per_second": "throughput/seq_per_second",
     "mfu": "throughput/mfu",  # a fraction of the workers' peak, as in the JSON lines
+    "tokens_per_second_per_node": "throughput/tokens_per_second_per_node",
+    "throughput_fraction": "throughput/fraction_of_expected",  # the floor's window median over the expected figure
+    "late_compilations": "xla/late_compilations",
     "moe_dropped": "moe/dropped_fraction",
 }
 XLA_PREFIX = "xla_"  # xla_compilations -> xla/compilations
@@ -79,6 +84,9 @@ CLOUDWATCH_METRICS = {
     "seq_per_second": (cloudwatch.SEQUENCES_PER_SECOND, "Count/Second", 1.0),
     "mfu": (cloudwatch.MFU, "Percent", 100.0),
     "moe_dropped": (cloudwatch.MOE_DROPPED_TOKENS, "Percent", 100.0),
+    "late_compilations": (cloudwatch.LATE_COMPILATIONS, "Count", 1.0),
+    "throughput_fraction": (cloudwatch.THROUGHPUT_FRACTION, "Percent", 100.0),
+    "below_throughput_floor": (cloudwatch.BELOW_THROUGHPUT_FLOOR, "None", 1.0),
 }
 CLOUDWATCH_QUEUE = 1000  # records waiting to be sent; beyond that (CloudWatch unreachable for long) they are dropped
 CLOUDWATCH_CLOSE_SECONDS = 30.0  # how long the end of a run waits for the records still queued
