@@ -389,3 +389,34 @@ def test_the_commands_run_against_s3_and_refuse_a_site_without_a_store(tmp_path:
     )
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.strip() == "error: run run-a: its site has no compile_cache_store (where the cache is kept)"
+
+
+GOOD_FILE = {"size": 3, "sha256": "a" * 64}
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {f"{VERSION}/MODULE_1+2/model.neff": GOOD_FILE},
+        {f"{VERSION}/MODULE_1+2/model.neff": GOOD_FILE, f"{VERSION}/MODULE_3+4/model.done": GOOD_FILE},
+        {"/abs/MODULE_1/model.neff": GOOD_FILE},
+        {f"{VERSION}/../MODULE_1/model.neff": GOOD_FILE},
+        {f"{VERSION}/MODULE_1+2": GOOD_FILE},
+        {"other/MODULE_1+2/model.neff": GOOD_FILE},
+        {f"{VERSION}/MODULE_1+2/model.neff": {"size": -1, "sha256": "a" * 64}},
+        {f"{VERSION}/MODULE_1+2/model.neff": {"size": 3, "sha256": "A" * 64}},
+        {f"{VERSION}/MODULE_1+2/model.neff": {"size": "3", "sha256": "a" * 64}},
+        {f"{VERSION}/MODULE_1+2/model.neff": "not an entry"},
+        {},
+        "not a mapping",
+    ],
+)
+def test_the_promoter_and_the_restore_refuse_the_same_manifests(files: Any) -> None:
+    """The promoter ships alone, with its own copy of the rules: both copies give one verdict on each manifest."""
+    key = "k" * 64
+    manifest = {"kind": compile_cache.MANIFEST_KIND, "key": key, "files": files}
+    on_node, in_lambda = compile_cache.manifest_problems(manifest, key), handler.manifest_problems(manifest, key)
+    assert bool(on_node) == bool(in_lambda), (on_node, in_lambda)
+    assert on_node == in_lambda or not on_node  # the same words for a bad file
+    for other in ({**manifest, "kind": "other"}, {**manifest, "key": "x" * 64}):
+        assert compile_cache.manifest_problems(other, key) and handler.manifest_problems(other, key)

@@ -171,8 +171,8 @@ def manifest_problems(manifest: Any, key: str) -> list[str]:
     if manifest.get("key") != key:
         return [f"its key {manifest.get('key')!r} is not {key}"]
     files = manifest.get("files")
-    if not isinstance(files, dict):
-        return ["no files mapping"]
+    if not isinstance(files, dict) or not files:
+        return ["no files"]
     problems = []
     for name, entry in files.items():
         path = PurePosixPath(name)
