@@ -112,6 +112,9 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
                 "ScaledownIdletime": compute.scaledown_idle_minutes,
                 # DRAIN unless the environment says otherwise: a deploy never kills a running job.
                 "QueueUpdateStrategy": compute.queue_update_strategy,
+                # A failed stage's dependants are cancelled, not left pending as DependencyNeverSatisfied (a rerun
+                # of the run would adopt them, waiting on a job that failed); the local Slurm is configured the same.
+                "CustomSlurmSettings": [{"DependencyParameters": "kill_invalid_depend"}],
             },
             "SlurmQueues": [queue, *cpu_queues(settings.cpu_queue, resources)],
         },

@@ -227,6 +227,23 @@ def test_a_stopped_fleet_allows_what_drain_refuses(default_env: Synthesized, fle
     assert config_patch(base, fewer).check()[0] is True
 
 
+def test_the_dependency_setting_reaches_a_cluster_deployed_without_it_while_jobs_run(
+    default_env: Synthesized, fleet: Callable[[str], None]
+) -> None:
+    """`DependencyParameters=kill_invalid_depend` (a failed stage's dependants cancelled): ParallelCluster's own
+    patch lets an environment deployed before it take it on a running fleet."""
+    target = resolved_configuration(default_env)
+    assert target["Scheduling"]["SlurmSettings"]["CustomSlurmSettings"] == [
+        {"DependencyParameters": "kill_invalid_depend"}
+    ]
+    base = copy.deepcopy(target)
+    del base["Scheduling"]["SlurmSettings"]["CustomSlurmSettings"]
+    fleet("RUNNING")
+    patch = config_patch(base, target)
+    assert patch.check()[0] is True
+    assert policies(patch) == {"Scheduling.SlurmSettings.CustomSlurmSettings": "SUPPORTED"}
+
+
 # --- which settings need what ---------------------------------------------------------------------------------
 
 

@@ -291,7 +291,12 @@ def test_cluster_waits_for_the_nat_route(default_env: Synthesized) -> None:
 def test_scheduling_scales_to_zero_and_drains_on_update(default_env: Synthesized) -> None:
     scheduling = cluster_configuration(default_env)["Scheduling"]
     # DRAIN (compute.queue_update_strategy): a deploy that changes a queue lets running jobs finish.
-    assert scheduling["SlurmSettings"] == {"ScaledownIdletime": 10, "QueueUpdateStrategy": "DRAIN"}
+    # A failed stage's dependants are cancelled (ParallelCluster's validator allows the key: the offline tests).
+    assert scheduling["SlurmSettings"] == {
+        "ScaledownIdletime": 10,
+        "QueueUpdateStrategy": "DRAIN",
+        "CustomSlurmSettings": [{"DependencyParameters": "kill_invalid_depend"}],
+    }
     queue, cpu = scheduling["SlurmQueues"]
     (resource,) = queue["ComputeResources"]
     assert resource == {
