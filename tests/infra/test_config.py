@@ -126,7 +126,7 @@ RULES = {
     ),
     "pipeline run forecast above the monthly budget": (
         {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000},
-        "environments-under-test/candidate.yaml: forecast: llama31-8b-cpt costs about $41,303 (19.8 days on 4 x "
+        "environments-under-test/candidate.yaml: forecast: llama31-8b-cpt costs about $41,304 (19.8 days on 4 x "
         "trn1.32xlarge), above budget.monthly_usd 1000; shorten steps, or set budget.accept_forecast_usd to at "
         "least 41304 to accept it",
     ),
@@ -516,7 +516,7 @@ def test_synth_refuses_a_run_forecast_above_the_budget_in_one_line(tmp_path: Pat
         over.unlink()
     assert result.returncode == 1
     assert result.stderr == (
-        "error: environments/zz-over-budget-under-test.yaml: forecast: llama31-8b-cpt costs about $41,303 (19.8 "
+        "error: environments/zz-over-budget-under-test.yaml: forecast: llama31-8b-cpt costs about $41,304 (19.8 "
         "days on 4 x trn1.32xlarge), above budget.monthly_usd 1000; shorten steps, or set budget.accept_forecast_usd "
         "to at least 41304 to accept it\n"
     )

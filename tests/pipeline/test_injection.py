@@ -227,7 +227,19 @@ def test_hostile_values_arrive_intact_and_never_run(world: World, recipe_name: s
         records = run_script(world, stage, text, recipe.nodes if distributed or stage == "preflight" else 1)
         python_calls = [r for r in records if r["argv"][0] == str(world.python)]
         if stage == "preflight":  # on every node (srun), then once; the run directory one word each time
-            assert [r["argv"] for r in python_calls] == [[*preflight, "--node"], preflight], records
+            node, decision = [r["argv"] for r in python_calls]
+            assert node == [*preflight, "--node"], records
+            if not neuron:
+                assert decision == preflight, records
+                continue
+            # on Neuron the decision starts the canary: the srun after `--`, its torchrun one word for bash -c
+            srun = str(world.slurm_bin / "srun")
+            assert decision[: len(preflight) + 3] == [*preflight, "--canary", "--", srun], records
+            assert decision[-3:-1] == ["bash", "-c"] and "--watch -- " in decision[-1], records
+            assert (
+                f"--compile --metrics {shlex.quote(str(world.run_dir))}/preflight/canary-metrics.jsonl"
+                in (decision[-1])
+            )
             continue
         if stage == "train":  # first: are these the checked nodes?
             assert python_calls[0]["argv"] == [*preflight, "--verify"]
