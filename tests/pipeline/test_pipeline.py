@@ -294,7 +294,9 @@ def test_a_run_below_its_throughput_floor_stops_with_the_reason_not_requeued_and
     ), printed
     block = printed[printed.index("time to first step:") + 1 : printed.index("")]  # the failed job's log follows
     names = [line.split()[0] for line in block]
-    assert names == ["bootstrap", "prepare", "convert-in", "compile", "preflight", "train", "first-step", "total"], printed
+    assert names == ["bootstrap", "prepare", "convert-in", "compile", "preflight", "train", "first-step", "total"], (
+        printed
+    )
     events = timeline.read_timeline(run_dir)
     assert [(e["stage"], e["event"]) for e in events if e["stage"] in ("compile", "train")] == [
         ("compile", "start"),
