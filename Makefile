@@ -81,7 +81,7 @@ lint: deps
 	$(VPY) -m ruff format --check .
 	$(VPY) -m mypy
 
-## A `pcluster build-image` configuration for a baked Trainium image of ENV (README: "Baked images"):
+## A `pcluster build-image` configuration for a baked Trainium image of ENV (docs/operations.md: "Node bootstrap: its time budget, and baked images"):
 ## make image-config ENV=default BUCKET=<ResultsBucketName> POLICY=<ComputeNodePolicyArn> PARENT=<official AMI>
 image-config: deps
 	$(VPY) -m stacks.node_image --env $(ENV) --bucket "$(BUCKET)" --node-policy-arn "$(POLICY)" --parent-image "$(PARENT)"

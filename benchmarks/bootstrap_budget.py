@@ -2,7 +2,7 @@
 
 `python benchmarks/bootstrap_budget.py` prints, per group (CUDA libraries that PyPI's torch pulls in, torch
 itself, the rest), the bytes of the wheels a node with the nodes' Python downloads, and the Neuron index's own
-packages it cannot see from here. The head node's budget in the README comes from this output.
+packages it cannot see from here. The head node's budget in docs/operations.md comes from this output.
 """
 
 from __future__ import annotations

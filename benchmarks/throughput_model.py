@@ -166,7 +166,7 @@ def rows(model: ThroughputModel, reference: ThroughputModel) -> list[Row]:
 
 
 def markdown_table(model: ThroughputModel, table: Sequence[Row]) -> str:
-    """The rows as the README shows them (a test keeps the README's table equal to this)."""
+    """The rows as docs/training-job.md shows them (a test keeps its table equal to this)."""
     lines = [
         f"| {model.model}, {model.nodes} x {model.instance_type}, seq {model.seq_len}, global batch "
         f"{model.global_batch} | seq/s per node | tokens/s per node | MFU | step (s) | {model.steps:,} steps (h) "

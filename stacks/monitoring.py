@@ -95,7 +95,7 @@ class Monitoring(Construct):
                 "TrainingStalled",
                 f"{name}-training-stalled",
                 f"A training job ran for {stall_minutes} minutes and logged no step: it may hang (a collective "
-                "waiting for a dead rank, a stuck compile or checkpoint). See the README's alarm table.",
+                "waiting for a dead rank, a stuck compile or checkpoint). See the alarm table in docs/monitoring.md.",
                 stalled,
                 threshold=1,
                 comparison=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,

@@ -314,7 +314,7 @@ SETTING_POLICIES: dict[str, tuple[dict[str, Any], bool, set[str]]] = {
 def test_what_each_setting_needs_on_a_running_cluster(
     setting: str, tmp_path: Path, fleet: Callable[[str], None]
 ) -> None:
-    """The same check on single changes, for the README's table; it reports the head node's instance type as
+    """The same check on single changes, for docs/operations.md's table; it reports the head node's instance type as
     UNSUPPORTED, which is what the day-2 tests above would catch had a day-2 change reached such a field."""
     changes, allowed, expected = SETTING_POLICIES[setting]
     base = pure_configuration(load_environment("default", ENVIRONMENTS_DIR))

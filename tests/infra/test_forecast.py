@@ -167,19 +167,20 @@ def test_the_forecast_is_torch_free() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
-README_ROWS = {
+FORECAST_TABLE_ROWS = {
     "`llama31-8b-cpt`, 4 x trn1.32xlarge": ("llama31-8b-cpt", []),
     "`llama31-8b-cpt steps=10000` (as it stood)": ("llama31-8b-cpt", AS_IT_STOOD),
     "`mixtral-8x7b-sft`, 2 x trn1.32xlarge": ("mixtral-8x7b-sft", []),
 }
 
 
-def test_the_readme_shows_the_bundled_recipes_forecasts() -> None:
-    """The README's forecast table: the default environment's cost while training, as `cdk synth` prints it."""
+def test_the_training_job_page_shows_the_bundled_recipes_forecasts() -> None:
+    """docs/training-job.md's forecast table: the default environment's cost while training, as `cdk synth`
+    prints it."""
     environment = load_environment("default", ROOT / "environments")
-    readme = (ROOT / "README.md").read_text()
-    for label, (name, overrides) in README_ROWS.items():
+    page = (ROOT / "docs" / "training-job.md").read_text()
+    for label, (name, overrides) in FORECAST_TABLE_ROWS.items():
         recipe = load_recipe(name, overrides)
         forecast = forecast_of(recipe, DEFAULT_HARDWARE, run_usd_per_hour(environment, recipe.nodes), "environment")
         assert forecast is not None
-        assert markdown_row(label, forecast) + "\n" in readme, markdown_row(label, forecast)
+        assert markdown_row(label, forecast) + "\n" in page, markdown_row(label, forecast)

@@ -254,11 +254,11 @@ def test_dashboard_draws_the_recipes_memory_plan_beside_the_fullest_core(default
     assert lines == pytest.approx([planned * GIB, hardware.hbm_gib_per_core * GIB])
 
 
-def test_the_readme_draws_the_dashboard_as_it_is_built(default_env: Synthesized) -> None:
-    """The README's picture of the dashboard names every widget, in the order the dashboard has them."""
-    readme = (ROOT / "README.md").read_text()
-    marker = readme.index("<!-- dashboard layout")
-    picture = readme[readme.index("```", marker) : readme.index("```", readme.index("```", marker) + 3)]
+def test_the_monitoring_page_draws_the_dashboard_as_it_is_built(default_env: Synthesized) -> None:
+    """docs/monitoring.md's picture of the dashboard names every widget, in the order the dashboard has them."""
+    page = (ROOT / "docs" / "monitoring.md").read_text()
+    marker = page.index("<!-- dashboard layout")
+    picture = page[page.index("```", marker) : page.index("```", page.index("```", marker) + 3)]
     titles = [w["properties"]["title"].split(" (")[0] for w in dashboard_body(default_env)["widgets"]]
     positions = [picture.find(title) for title in titles]
     assert -1 not in positions, [t for t, p in zip(titles, positions, strict=True) if p == -1]

@@ -58,7 +58,7 @@ def neuronx_distributed_source(cache: Path = CACHE) -> Path:
     if not archive.is_file():
         raise SystemExit(
             f"error: NXD_SOURCE: {str(archive)!r} is not a file; allowed: the neuronx-distributed v2.28.0 source "
-            "archive (README: 'The neuron test tier')"
+            "archive (docs/neuron-tier.md)"
         )
     target = cache / f"neuronx-distributed-{digest(archive)}"
     if not (target / ".complete").exists():

@@ -1,5 +1,5 @@
 """benchmarks/throughput_model.py: its numbers agree with each other and with Neuron's published figures, the
-README shows its table, and a bad argument is one line and a non-zero exit."""
+reference page docs/training-job.md shows its table, and a bad argument is one line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -91,10 +91,10 @@ def test_mixtral_is_modelled_at_the_llama_mfu(llama: Any) -> None:
     assert math.isclose(bench.mfu(mixtral, bench.seq_per_node_at(mixtral, 0.3)), 0.3)
 
 
-def test_the_readme_shows_the_benchmarks_table(llama: Any) -> None:
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(r"<!-- python benchmarks/throughput_model.py -->\n(.*?)<!-- end -->", readme, flags=re.DOTALL)
-    assert match, "README: the throughput table's markers are missing"
+def test_the_training_job_page_shows_the_benchmarks_table(llama: Any) -> None:
+    page = (ROOT / "docs" / "training-job.md").read_text()
+    match = re.search(r"<!-- python benchmarks/throughput_model.py -->\n(.*?)<!-- end -->", page, flags=re.DOTALL)
+    assert match, "docs/training-job.md: the throughput table's markers are missing"
     assert match.group(1) == bench.markdown_table(llama, bench.rows(llama, llama)), "paste the benchmark's table"
 
 

@@ -253,7 +253,7 @@ def forecast_of(
 
 
 def markdown_row(label: str, forecast: Forecast) -> str:
-    """The forecast as a row of the README's table (a test keeps the README's rows equal to these)."""
+    """The forecast as a row of docs/training-job.md's table (a test keeps its rows equal to these)."""
     t = forecast.throughput
     kind = "published" if t.source == PUBLISHED_SOURCE else f"derived, {t.low:.2f}-{t.high:.2f}"
     fast, slow = forecast.hours_at(t.high), forecast.hours_at(t.low)

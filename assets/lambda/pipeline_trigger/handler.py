@@ -476,7 +476,7 @@ def data(
 RUN_STATUS = {"none": "no-run", "unchanged": "submitted-earlier", "submit": "submitting"}
 RETRY_HINT = (
     "The environment was kept. Fix the cause, then bump pipeline.run in the environment file and deploy again, "
-    "or run `python -m training submit` on the head node (README: 'When a run cannot start')."
+    "or run `python -m training submit` on the head node (docs/deploy.md: 'When a run cannot start')."
 )
 
 
