@@ -95,7 +95,7 @@ class SafetensorsWriter(Writer):
             self.abort()
             raise
 
-    def _is_open(self) -> bool:
+    def is_open(self) -> bool:
         return self._file is not None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:

@@ -94,7 +94,8 @@ _W = TypeVar("_W", bound="Writer")
 class Writer:
     """Context-manager behaviour shared by the writers: finish on success, remove the partial file on error."""
 
-    def _is_open(self) -> bool:
+    def is_open(self) -> bool:
+        """Whether `close` or `abort` is still to come."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -111,5 +112,5 @@ class Writer:
     ) -> None:
         if exc_type is not None:
             self.abort()
-        elif self._is_open():
+        elif self.is_open():
             self.close()

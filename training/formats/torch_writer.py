@@ -250,7 +250,7 @@ class TorchFileWriter(Writer):
         self._refs: dict[int, _StorageRef] = {}  # id(meta tensor) -> its record
         self._crcs: list[int] = []
 
-    def _is_open(self) -> bool:
+    def is_open(self) -> bool:
         return self._file is not None
 
     def _open_file(self) -> BinaryIO:
@@ -384,7 +384,7 @@ class XserWriter(Writer):
         self._refs: dict[str, XserTensorReference] | None = {}
         self._info: dict[int, dict[str, Any]] = {}
 
-    def _is_open(self) -> bool:
+    def is_open(self) -> bool:
         return self._refs is not None
 
     def _open_refs(self) -> dict[str, XserTensorReference]:
