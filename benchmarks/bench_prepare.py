@@ -9,7 +9,7 @@ Then, on the same corpus and machine:
 - reference: `datasets.load_dataset("json")`, `map(batched=True)` with 1000-document batches in one
   process, tokenizing with the tokenizer's `__call__` and grouping each batch into blocks (the remainder
   of every batch dropped), `labels` copied from `input_ids`, `save_to_disk` (REFERENCE.md section 3);
-- ours: `training.data.prepare.prepare_pretrain` (framing, carry-over packing, int32, manifest, save);
+- ours: `training.data.pretrain.prepare_pretrain` (framing, carry-over packing, int32, manifest, save);
 - ceiling: `tokenizers.Tokenizer.encode_batch` and `encode_batch_fast` over the in-memory texts with all
   cores, nothing else.
 
@@ -107,7 +107,7 @@ def run_reference(corpus: Path, tokenizer_dir: Path, seq_len: int, out: Path) ->
 
 
 def run_ours(corpus: Path, tokenizer_dir: Path, seq_len: int, out: Path) -> tuple[float, int, int]:
-    from training.data.prepare import PretrainOptions, prepare_pretrain
+    from training.data.pretrain import PretrainOptions, prepare_pretrain
 
     started = time.perf_counter()
     manifest = prepare_pretrain(

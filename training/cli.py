@@ -533,7 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(arguments: argparse.Namespace) -> dict[str, Any]:
     if arguments.command == "convert":
         return _convert(arguments)
-    from training.data.prepare import PretrainOptions, SftOptions, prepare_pretrain, prepare_sft
+    from training.data.pretrain import PretrainOptions, prepare_pretrain
+    from training.data.sft import SftOptions, prepare_sft
 
     if arguments.seed < 0:
         raise UserError(f"--seed {arguments.seed}: must be 0 or more")

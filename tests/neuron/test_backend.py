@@ -18,7 +18,8 @@ import torch
 
 from tests.neuron.one_rank import free_port, one_rank_neuron_backend
 from training.formats.convert import ConvertOptions, convert
-from training.formats.readers import lazy_tensors, open_checkpoint_file
+from training.formats.lazy import lazy_tensors
+from training.formats.torch_reader import open_checkpoint_file
 from training.local.tiny import build_tiny_world
 from training.train.loop import CHANGE_GRAPH_AT_STEP, KILL_AT_STEP
 from training.train.watchdog import read_stop

@@ -32,7 +32,7 @@ RECIPES = {"llama": "tiny-llama-cpt", "mixtral": "tiny-mixtral-sft"}
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
-    from training.data.prepare import SftOptions, prepare_sft
+    from training.data.sft import SftOptions, prepare_sft
 
     root = tmp_path_factory.mktemp("pp-worlds")
     worlds = {name: build_tiny_world(root / name, name, tp=1, pp=2) for name in RECIPES}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from training.formats.writers import XserWriter
+from training.formats.torch_writer import XserWriter
 
 
 def test_torch_xla_loads_what_our_xser_writer_writes(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from training.errors import UserError
-from training.local import slurm as module
+from training.local import slurm_host
 from training.local.slurm import LocalSlurm, running, start
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
@@ -147,7 +147,7 @@ def test_command_line_up_status_down(tmp_path: Path) -> None:
 
 
 def test_installing_without_root_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(module, "_which", lambda command: None)
+    monkeypatch.setattr(slurm_host, "system_command", lambda command: None)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(UserError, match=r"installing it needs root: run `sudo apt-get install slurmctld slurmd"):
-        module.ensure_installed()
+        slurm_host.ensure_installed()

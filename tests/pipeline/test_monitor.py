@@ -16,7 +16,8 @@ import yaml
 
 from tests.support.parallelcluster_shell import non_login_environment, parallelcluster_path
 from training.config.site import Site
-from training.local.slurm import PARTITION, LocalSlurm
+from training.local.slurm import LocalSlurm
+from training.local.slurm_config import PARTITION
 from training.monitoring import cloudwatch
 
 ROOT = Path(__file__).resolve().parents[2]

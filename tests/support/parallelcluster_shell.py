@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 from tests.support.lambda_handlers import load_handler_file
-from training.local.slurm import CLIENT_COMMANDS
+from training.local.slurm_config import CLIENT_COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 HANDLER_FILE = ROOT / "assets" / "lambda" / "pipeline_trigger" / "handler.py"

@@ -27,7 +27,7 @@ from training.config.model import Parallelism, check_parallelism, default_kv_mul
 from training.errors import UserError
 from training.formats.hf import HfSource, HfTarget, Source, copy_companions
 from training.formats.layouts import Rule, all_rules
-from training.formats.readers import nbytes, release_mappings
+from training.formats.lazy import nbytes, release_mappings
 from training.formats.sharded import ShardedSource, ShardedTarget
 from training.logs import Progress
 from training.outputs import atomic_directory, files_fingerprint, reusable, write_manifest
@@ -98,7 +98,6 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
         return {**manifest, "reused": True}
 
     started = time.monotonic()
-    checksums: dict[str, str] = {}
     plan = source.plan()
     hf_names = {name for name, _, _ in plan}
     with atomic_directory(options.output, overwrite=options.overwrite) as output:
@@ -117,23 +116,7 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
                 groups, source, target, hf_names, verify=options.verify, workers=options.workers, progress=progress
             )
         else:
-            for rules in groups:
-                for rule in rules:
-                    if not (
-                        isinstance(source, HfSource)
-                        and not options.verify
-                        and (
-                            target.write_rule_ranges(rule, source.lazy(rule))
-                            or target.write_rule_columns(rule, source.lazy(rule))
-                        )
-                    ):
-                        tensors = source.read([rule])
-                        if options.verify:
-                            checksums |= {name: tensor_sha256(t) for name, t in tensors.items() if name in hf_names}
-                        target.write_rule(rule, tensors)
-                        del tensors
-                    release_mappings()
-                progress.update(1)
+            checksums = write_sharded(groups, source, target, hf_names, verify=options.verify, progress=progress)
         progress.close()
         target.close()
         companions = copy_companions(source.directory, source.config_path, output)
@@ -230,6 +213,38 @@ def write_hf(
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(per_file)))) as pool:
         for job in [pool.submit(write_file, rules) for rules in per_file.values()]:
             job.result()
+    return checksums
+
+
+def write_sharded(
+    groups: Sequence[Sequence[Rule]],
+    source: Source,
+    target: ShardedTarget,
+    hf_names: set[str],
+    *,
+    verify: bool,
+    progress: Progress,
+) -> dict[str, str]:
+    """Every rule in order into the rank files; from Hugging Face files, plain rows and column blocks are
+    copied without loading the tensor (unless verifying). Returns the checksums if verifying."""
+    checksums: dict[str, str] = {}
+    for rules in groups:
+        for rule in rules:
+            if not (
+                isinstance(source, HfSource)
+                and not verify
+                and (
+                    target.write_rule_ranges(rule, source.lazy(rule))
+                    or target.write_rule_columns(rule, source.lazy(rule))
+                )
+            ):
+                tensors = source.read([rule])
+                if verify:
+                    checksums |= {name: tensor_sha256(t) for name, t in tensors.items() if name in hf_names}
+                target.write_rule(rule, tensors)
+                del tensors
+            release_mappings()
+        progress.update(1)
     return checksums
 
 

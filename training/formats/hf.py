@@ -20,18 +20,10 @@ import torch
 from training.config.model import ModelSpec
 from training.errors import UserError
 from training.formats.layouts import Rule, hf_shapes
-from training.formats.readers import (
-    FileRange,
-    LazyTensor,
-    Opaque,
-    lazy_tensors,
-    nbytes,
-    open_safetensors,
-    open_torch_file,
-    shown,
-    shown_name,
-)
-from training.formats.writers import SafetensorsWriter
+from training.formats.lazy import FileRange, LazyTensor, lazy_tensors, nbytes, shown, shown_name
+from training.formats.safetensors_reader import open_safetensors
+from training.formats.safetensors_writer import SafetensorsWriter
+from training.formats.torch_reader import Opaque, open_torch_file
 
 CONFIG = "config.json"
 # Copied beside converted weights so the output is usable on its own (transformers, the reverse direction).

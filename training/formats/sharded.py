@@ -3,7 +3,7 @@
 One module because reading and writing both formats share the rank-file naming, the inference of the
 parallel degrees from the files, and the row-block streaming (pread row blocks, column merges written
 block by block) that keeps memory flat whatever the model size. Tensor layouts come from
-`training.formats.layouts`, file formats from `training.formats.readers` and `training.formats.writers`.
+`training.formats.layouts`, file formats from `training.formats.torch_reader` and `training.formats.torch_writer`.
 """
 
 from __future__ import annotations
@@ -22,16 +22,9 @@ from training.config.model import Format, ModelSpec, Parallelism, check_parallel
 from training.errors import UserError
 from training.formats.hf import hf_names_in_order, read_config, state_dict_in
 from training.formats.layouts import Chunk, Concatenate, Fuse, Rule, Unfuse, all_rules, hf_shapes
-from training.formats.readers import (
-    CheckpointError,
-    FileRange,
-    LazyTensor,
-    lazy_tensors,
-    open_checkpoint_file,
-    read_into,
-    release_mappings,
-)
-from training.formats.writers import TorchFileWriter, XserWriter
+from training.formats.lazy import CheckpointError, FileRange, LazyTensor, lazy_tensors, read_into, release_mappings
+from training.formats.torch_reader import open_checkpoint_file
+from training.formats.torch_writer import TorchFileWriter, XserWriter
 
 NEMO_CHECKPOINT_META = {"pytorch-lightning_version": "1.9.5", "epoch": 0, "global_step": 0}
 NXD_FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")

@@ -16,226 +16,25 @@ import argparse
 import contextlib
 import json
 import os
-import pwd
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.errors import UserError, report
+from training.local.slurm_config import node_names, render_config, slurm_env, write_client_prefix
+from training.local.slurm_host import alive, ensure_installed, file_tail, free_ports, proc_stat, system_command
 
 DEFAULT_STATE_DIR = Path(".local-slurm")
 DEFAULT_NODES = 3
-PARTITION = "local"
-REAL_MEMORY_MB = 1024  # small on purpose: memory is not a consumable resource here (CR_CPU), as on ParallelCluster
-PACKAGES = ("slurmctld", "slurmd", "slurm-client")
-# The client commands of Debian's slurm-client package that the `bin/` prefix offers.
-CLIENT_COMMANDS = ("sacct", "salloc", "sattach", "sbatch", "sbcast", "scancel", "scontrol", "sinfo", "squeue", "srun")
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.05
-POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
 RECORD = "daemons.json"
-
-
-# --- installation --------------------------------------------------------------------------------------
-
-
-def _which(command: str) -> str | None:
-    """The system's Slurm command: daemons live in /usr/sbin, which is not on every PATH, and a PATH set up
-    like a ParallelCluster node's (tests/support/parallelcluster_shell.py) has no Slurm at all."""
-    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/bin", "/bin"])
-    return shutil.which(command, path=path)
-
-
-@contextlib.contextmanager
-def _no_service_starts() -> Iterator[None]:
-    """Debian package scripts start their services unless policy-rc.d says no (exit 101); restore it afterwards."""
-    original = POLICY_RC_D.read_bytes() if POLICY_RC_D.exists() else None
-    mode = POLICY_RC_D.stat().st_mode if original is not None else 0o755
-    POLICY_RC_D.write_text(
-        "#!/bin/sh\n# Written by training.local.slurm for one package install: start no service.\nexit 101\n"
-    )
-    POLICY_RC_D.chmod(0o755)
-    try:
-        yield
-    finally:
-        if original is None:
-            POLICY_RC_D.unlink(missing_ok=True)
-        else:
-            POLICY_RC_D.write_bytes(original)
-            POLICY_RC_D.chmod(mode)
-
-
-def ensure_installed() -> None:
-    """Install Debian's Slurm packages when the daemons or sbatch are missing (root only)."""
-    missing = [command for command in ("slurmctld", "slurmd", "sbatch") if _which(command) is None]
-    if not missing:
-        return
-    packages = " ".join(PACKAGES)
-    if os.geteuid() != 0:
-        raise UserError(
-            f"Slurm is not installed ({', '.join(missing)} missing) and installing it needs root: "
-            f"run `sudo apt-get install {packages}` once, or run this command as root"
-        )
-    if shutil.which("apt-get") is None:
-        raise UserError(
-            f"Slurm is not installed ({', '.join(missing)} missing) and there is no apt-get: install {packages}"
-        )
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    with _no_service_starts():
-        result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
-        if result.returncode != 0:  # stale or missing package lists: refresh once and retry
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=False)
-            result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise UserError(f"`{' '.join(install)}` failed:\n{_tail(result.stdout + result.stderr)}")
-
-
-# --- processes ---------------------------------------------------------------------------------------------
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks since boot); the start time tells a reused PID apart."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    return fields[0], int(fields[19])
-
-
-def _alive(pid: int, start: int) -> bool:
-    stat = _proc_stat(pid)
-    if stat is None or stat[1] != start:
-        return False
-    if stat[0] == "Z":  # exited; reap it if it is our child so it does not linger as a zombie
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        return False
-    return True
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports nobody listens on now, so several clusters (a developer's and a test run's) can coexist."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _tail(text: str, lines: int = 20) -> str:
-    return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-def _file_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return _tail(path.read_text(errors="replace"), lines)
-    except FileNotFoundError:
-        return "(no log)"
-
-
-# --- configuration -----------------------------------------------------------------------------------------
-
-
-def _node_names(nodes: int) -> list[str]:
-    return [f"node{index}" for index in range(1, nodes + 1)]
-
-
-def render_config(state_dir: Path, nodes: int, ports: Sequence[int], cpus: int) -> str:
-    """slurm.conf for one host; ports[0] is the controller's, ports[1:] the nodes'. All paths inside state_dir."""
-    d = state_dir
-    user = pwd.getpwuid(os.geteuid()).pw_name
-    node_lines = [
-        f"NodeName={name} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} RealMemory={REAL_MEMORY_MB} State=UNKNOWN"
-        for name, port in zip(_node_names(nodes), ports[1:], strict=True)
-    ]
-    node_list = f"node[1-{nodes}]" if nodes > 1 else "node1"
-    return "\n".join(
-        [
-            "# Written by training.local.slurm on every `up`; edits are overwritten.",
-            "ClusterName=local",
-            "SlurmctldHost=localhost(127.0.0.1)",
-            f"SlurmctldPort={ports[0]}",
-            f"SlurmUser={user}",
-            f"SlurmdUser={user}",
-            # No munge daemon: every daemon and client runs on this host as the same user.
-            "AuthType=auth/none",
-            "CredType=cred/none",
-            # A requeued job may start again cred_expire + 1 s after the requeue (default 120 s).
-            "AuthInfo=cred_expire=5",
-            "MpiDefault=none",
-            # No cgroups (none in this container): track job processes by parentage, no task binding.
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            # A job whose dependency can never be met is cancelled instead of pending forever.
-            "DependencyParameters=kill_invalid_depend",
-            # Requests no partition can satisfy (GPUs, too many nodes) fail at submit instead of pending forever.
-            "EnforcePartLimits=ALL",
-            # Start jobs within a second of submission.
-            "SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=1",
-            # Finished jobs stay visible to `scontrol show job` for a day (no accounting database here).
-            "MinJobAge=86400",
-            "SlurmdTimeout=300",
-            "ReturnToService=2",
-            # A failed training run requeues itself with `scontrol requeue`.
-            "JobRequeue=1",
-            # All slurmd on this host report the same hardware; the node lines below are the truth.
-            "SlurmdParameters=config_overrides",
-            f"StateSaveLocation={d / 'state'}",
-            f"SlurmdSpoolDir={d / 'spool' / '%n'}",
-            f"SlurmctldPidFile={d / 'run' / 'slurmctld.pid'}",
-            f"SlurmdPidFile={d / 'run' / 'slurmd-%n.pid'}",
-            f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}",
-            *node_lines,
-            f"PartitionName={PARTITION} Nodes={node_list} Default=YES MaxTime=INFINITE State=UP",
-            "",
-        ]
-    )
-
-
-def write_client_prefix(state_dir: Path) -> Path:
-    """`state_dir/bin`: one wrapper per client command that runs the system's command on this cluster.
-
-    The site settings name this directory as `slurm_bin`, as they name `/opt/slurm/bin` on ParallelCluster.
-    """
-    bin_dir = state_dir / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    conf = (state_dir / "slurm.conf").resolve()
-    for command in CLIENT_COMMANDS:
-        system = _which(command)
-        if system is None:
-            raise UserError(f"{command}: not installed (Debian package slurm-client)")
-        wrapper = bin_dir / command
-        wrapper.write_text(f'#!/bin/sh\nSLURM_CONF={conf} exec {system} "$@"\n')
-        wrapper.chmod(0o755)
-    return bin_dir
-
-
-def slurm_env(state_dir: Path) -> dict[str, str]:
-    """What to merge into os.environ so Slurm clients talk to the cluster of state_dir."""
-    return {"SLURM_CONF": str((state_dir / "slurm.conf").resolve())}
-
-
-# --- the cluster -------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -266,7 +65,7 @@ class LocalSlurm:
     ) -> subprocess.CompletedProcess[str]:
         """Run a Slurm client command against this cluster (stdin from `input`, e.g. an sbatch script)."""
         env = {**os.environ, **self.env}
-        command = [_which(args[0]) or args[0], *args[1:]]  # the system's command, wherever PATH points
+        command = [system_command(args[0]) or args[0], *args[1:]]  # the system's command, wherever PATH points
         result = subprocess.run(
             command, env=env, input=input, capture_output=True, text=True, timeout=timeout, check=False
         )
@@ -299,7 +98,7 @@ class LocalSlurm:
         return self.run("sinfo", "--Node", "--long", check=False).stdout
 
     def alive(self) -> dict[str, bool]:
-        return {name: _alive(pid, start) for name, (pid, start) in self.daemons.items()}
+        return {name: alive(pid, start) for name, (pid, start) in self.daemons.items()}
 
     def _record(self) -> None:
         record = {"nodes": self.nodes, "daemons": {name: list(value) for name, value in self.daemons.items()}}
@@ -308,7 +107,7 @@ class LocalSlurm:
     def _logs(self) -> str:
         """The daemons' own output: it has what the log files have plus errors from before they are opened."""
         logs = [_output_file(self.state_dir, name) for name in ["slurmctld", *self.nodes]]
-        return "\n".join(f"--- {log} (last lines)\n{_file_tail(log, 10)}" for log in logs)
+        return "\n".join(f"--- {log} (last lines)\n{file_tail(log, 10)}" for log in logs)
 
     def _wait_until_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -344,15 +143,15 @@ class LocalSlurm:
         `scontrol shutdown` is not used: with several slurmd on one host it stops only one of them.
         """
         with contextlib.suppress(subprocess.TimeoutExpired):
-            if self.daemons.get("slurmctld") and _alive(*self.daemons["slurmctld"]):
+            if self.daemons.get("slurmctld") and alive(*self.daemons["slurmctld"]):
                 self._cancel_jobs(timeout)
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-            running = [(pid, start) for pid, start in self.daemons.values() if _alive(pid, start)]
+            running = [(pid, start) for pid, start in self.daemons.values() if alive(pid, start)]
             for pid, _ in running:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + wait
-            while any(_alive(pid, start) for pid, start in running) and time.monotonic() < deadline:
+            while any(alive(pid, start) for pid, start in running) and time.monotonic() < deadline:
                 time.sleep(POLL_S)
         for child in self._children:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -437,21 +236,21 @@ def start(
     ensure_installed()
     for sub in ("state", "spool", "run", "log"):
         (state_dir / sub).mkdir(parents=True, exist_ok=True)
-    for node in _node_names(nodes):
+    for node in node_names(nodes):
         (state_dir / "spool" / node).mkdir(exist_ok=True)
     conf = state_dir / "slurm.conf"
-    conf.write_text(render_config(state_dir, nodes, _free_ports(nodes + 1), len(os.sched_getaffinity(0))))
+    conf.write_text(render_config(state_dir, nodes, free_ports(nodes + 1), len(os.sched_getaffinity(0))))
     write_client_prefix(state_dir)
     env = {**os.environ, **slurm_env(state_dir)}
-    commands = {"slurmctld": [_which("slurmctld") or "slurmctld", "-D", "-f", str(conf)]}
-    for node in _node_names(nodes):
-        commands[node] = [_which("slurmd") or "slurmd", "-D", "-N", node, "-f", str(conf)]
-    cluster = LocalSlurm(state_dir=state_dir, nodes=_node_names(nodes), daemons={}, started=True)
+    commands = {"slurmctld": [system_command("slurmctld") or "slurmctld", "-D", "-f", str(conf)]}
+    for node in node_names(nodes):
+        commands[node] = [system_command("slurmd") or "slurmd", "-D", "-N", node, "-f", str(conf)]
+    cluster = LocalSlurm(state_dir=state_dir, nodes=node_names(nodes), daemons={}, started=True)
     try:
         for name, command in commands.items():
             child = _spawn(command, _output_file(state_dir, name), env)
             cluster._children.append(child)
-            stat = _proc_stat(child.pid)
+            stat = proc_stat(child.pid)
             cluster.daemons[name] = (child.pid, stat[1] if stat else 0)
         cluster._record()
         cluster._wait_until_idle(timeout)

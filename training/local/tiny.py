@@ -127,7 +127,8 @@ def make_tiny_sources(root: Path, architecture: str, *, documents: int = 400) ->
 def build_tiny_world(root: Path, architecture: str, *, tp: int, pp: int = 1, seq_len: int = 64) -> dict[str, Path]:
     """The tiny sources plus what the pipeline's first stages make of them: prepared `data` and the
     `pretrained_weight` (nxd at `tp` x `pp`) written by the converter."""
-    from training.data.prepare import PretrainOptions, SftOptions, prepare_pretrain, prepare_sft
+    from training.data.pretrain import PretrainOptions, prepare_pretrain
+    from training.data.sft import SftOptions, prepare_sft
     from training.formats.convert import ConvertOptions, convert
 
     world = make_tiny_sources(root, architecture)

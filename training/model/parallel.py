@@ -11,8 +11,10 @@ Two interchangeable backends with the same tensor-parallel semantics:
 Each name is declared once, below, as a typed function with a docstring and a `@neuron(module, attribute)`
 line naming what it is on Trainium (a neuronx-distributed class or function, release 2.28). The declaration is
 the contract: the `neuron` backend imports `module.attribute` and calls it with the caller's arguments; the
-`cpu` backend defines the same name with exactly the declared signature; tests/training/test_parallel_facade.py
+`cpu` backend presents the same name with exactly the declared signature; tests/training/test_parallel_facade.py
 checks both, and checks the declarations against neuronx-distributed's own source.
+One module over 500 lines because it is one thing, the facade: every name declared in one place, where the
+test checks them against NxD's signatures; the implementations live in the backends.
 
 Rank arrangement (both backends, as neuronx-distributed's `initialize_model_parallel`): the world is
 [DP, TP] row-major, so a TP group is `tp` consecutive global ranks and a DP group is the ranks with the same

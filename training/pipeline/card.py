@@ -430,7 +430,7 @@ def readme_license(readme: Path) -> str | None:
 
 
 def data_from_manifest(manifest: dict[str, Any]) -> Data:
-    """The prepare manifest (training.data.prepare): one `source`, or a mix's `sources`."""
+    """The prepare manifest (training.data.pretrain, training.data.sft): one `source`, or a mix's `sources`."""
     mix = manifest.get("sources")
     if isinstance(mix, list) and mix:
         sources = tuple(

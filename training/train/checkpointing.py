@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from training.errors import UserError
-from training.formats.readers import CheckpointError, shown
+from training.formats.lazy import CheckpointError, shown
 from training.formats.sharded import STEP_DIR, ShardedSource, nxd_rank_file
 from training.model import parallel
 from training.model.transformer import CausalLM

@@ -18,7 +18,9 @@ from tests.training.conftest import sample_documents, write_jsonl
 from training.cli import main
 from training.config.recipe import load_recipe
 from training.data.mixing import MixSource, mix
-from training.data.prepare import PretrainOptions, SftOptions, data_sha256, prepare_pretrain, prepare_sft
+from training.data.prepared import data_sha256
+from training.data.pretrain import PretrainOptions, prepare_pretrain
+from training.data.sft import SftOptions, prepare_sft
 from training.errors import UserError
 
 BIG = sample_documents(300, seed=1)

@@ -20,7 +20,7 @@ from tests.conftest import ROOT
 from tests.training.conftest import sample_documents, train_tokenizer, write_jsonl
 from training import outputs
 from training.cli import main
-from training.data.prepare import PretrainOptions, prepare_pretrain
+from training.data.pretrain import PretrainOptions, prepare_pretrain
 from training.errors import UserError
 
 DOCUMENTS = sample_documents(120)

@@ -1,7 +1,7 @@
 """Streaming torch/xser/safetensors writers: files must read back exactly as torch.save / save_file output.
 
 Independent readers are the oracles: real `torch.load` for torch files, `safetensors` for safetensors files and
-`training.formats.readers.open_xser` (which needs no torch_xla) for xser checkpoints.
+`training.formats.torch_reader.open_xser` (which needs no torch_xla) for xser checkpoints.
 """
 
 from __future__ import annotations
@@ -27,16 +27,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.serialization import config as serialization_config
 
-from training.formats import writers
-from training.formats.readers import (
-    CheckpointError,
-    LazyTensor,
-    Opaque,
-    open_checkpoint_file,
-    open_torch_file,
-    open_xser,
-)
-from training.formats.writers import SafetensorsWriter, TorchFileWriter, XserWriter, safetensors_save_order
+from training.formats import torch_writer
+from training.formats.lazy import CheckpointError, LazyTensor
+from training.formats.safetensors_writer import SafetensorsWriter, safetensors_save_order
+from training.formats.torch_reader import Opaque, open_checkpoint_file, open_torch_file, open_xser
+from training.formats.torch_writer import TorchFileWriter, XserWriter
 
 REPO = Path(__file__).resolve().parents[2]
 # Makes torch compute each storage's offset from the previous one (miniz's layout rules) instead of reading
@@ -253,7 +248,7 @@ def test_zip64_records_and_offsets_are_read_by_torch_and_zipfile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Files over 4 GiB need zip64 fields; lowering the threshold exercises the same code on small data.
-    monkeypatch.setattr(writers, "_ZIP64_LIMIT", 300)
+    monkeypatch.setattr(torch_writer, "ZIP64_LIMIT", 300)
     state = {"big": sample(torch.float32, shape=(40, 10)), "small": sample(torch.int8, seed=1), "e": torch.zeros(0)}
     path = write_torch(tmp_path / "zip64.pt", state)
     with zipfile.ZipFile(path) as archive:
@@ -280,7 +275,7 @@ _MEMORY_SCRIPT = r"""
 import sys
 from pathlib import Path
 import torch
-from training.formats.writers import TorchFileWriter
+from training.formats.torch_writer import TorchFileWriter
 
 UNIT = 16 << 20  # one 16 MB tensor
 
@@ -372,7 +367,7 @@ def test_invalid_adds_raise(tmp_path: Path) -> None:
         writer.add("b", torch.ones(2))
 
 
-# ---- damaged files (read with training.formats.readers) -----------------------------------------------------
+# ---- damaged files (read with training.formats.torch_reader and safetensors_reader) ----------------------
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.97])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from training.cli import main
-from training.data.prepare import SftOptions, prepare_sft
+from training.data.sft import SftOptions, prepare_sft
 from training.local.tiny import build_tiny_world, write_jsonl
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (DEBUG|INFO|WARNING|ERROR) ")  # training.logs

@@ -116,7 +116,7 @@ def test_validation_loss_is_the_language_model_loss_on_the_validation_blocks(
 ) -> None:
     """Logged every `validation_every` steps and at the end, with the step's record; at the last step it equals
     transformers' loss of the final weights on the same validation blocks (no router loss in it)."""
-    from training.data.prepare import SftOptions, prepare_sft
+    from training.data.sft import SftOptions, prepare_sft
 
     data = tmp_path / "data"
     source, tokenizer = str(mixtral_world["source"]), str(mixtral_world["tokenizer"])

@@ -1,9 +1,9 @@
-"""Streaming writers for `torch.save` files, torch_xla xser checkpoints and safetensors files.
+"""Streaming writers for `torch.save` files and torch_xla xser checkpoints (one `torch.save` file per tensor).
 
 A checkpoint converter holds about one transformer layer in memory while it writes every tensor-parallel
 rank's shard, so all writers here take tensors one at a time, put each tensor's bytes on disk at once and
 keep only its name, dtype and shape. Nothing here renames files: callers write into a temporary directory.
-Nothing here reads checkpoints either: `training.formats.readers` does (`open_torch_file`, `open_xser`).
+Nothing here reads checkpoints either: `training.formats.torch_reader` does (`open_torch_file`, `open_xser`).
 
 `TorchFileWriter` lays the zip archive out record for record as PyTorch's own writer (miniz, called from
 `caffe2/serialize/inline_container.cc`) does: every record's data starts on a 64-byte boundary (an "FB"
@@ -15,9 +15,8 @@ come first (they are streamed) and `data.pkl` and the small metadata records las
 compact copies (torch.save keeps the whole base storage and the view's strides); and
 `.data/serialization_id` is a deterministic hash, so the same content always gives the same bytes.
 
-Why the three writers share one module of this size: xser is `torch.save` files (one per tensor plus a
-pickle of references) and safetensors reuses the same buffered, page-dropping byte path; split apart, each
-would carry a copy of the record writer and the non-contiguous copy logic.
+xser is `torch.save` files (one per tensor plus a pickle of references), so both writers live here; the byte
+path they share with the safetensors writer is `training.formats.streaming`.
 """
 
 from __future__ import annotations
@@ -25,31 +24,22 @@ from __future__ import annotations
 import collections
 import hashlib
 import io
-import json
-import os
 import pickle
 import pickletools
 import shutil
 import struct
 import sys
-import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any, BinaryIO, Final, TypeVar, cast
+from typing import Any, BinaryIO, Final
 
 import torch
 
-from training.formats.readers import FileRange
+from training.formats.lazy import FileRange
+from training.formats.streaming import Writer, prepare_tensor, range_chunks, tensor_bytes
 
-__all__ = [
-    "SafetensorsWriter",
-    "TorchFileWriter",
-    "XserTensorReference",
-    "XserWriter",
-    "safetensors_save_order",
-]
+__all__ = ["ZIP64_LIMIT", "TorchFileWriter", "XserTensorReference", "XserWriter"]
 
 # Legacy typed-storage class per dtype: `torch.save` names these in each storage's persistent id, and the
 # weights_only unpickler allows exactly these classes.
@@ -69,8 +59,7 @@ _STORAGE_CLASSES: Final[dict[torch.dtype, str]] = {
 _ALIGNMENT: Final = 64  # torch's default `config.save.storage_alignment`, needed for mmap
 _FORMAT_VERSION: Final = b"1"  # storages are numbered in the order the pickle first references them
 _ARCHIVE_VERSION: Final = b"3\n"  # what torch 2.x writes as `version` for eager `torch.save` files
-_ZIP64_LIMIT = 0xFFFFFFFF  # miniz switches a field to zip64 at >= this value (a variable so tests can lower it)
-_CHUNK_BYTES: Final = 8 << 20  # largest temporary copy made when a non-contiguous view is written
+ZIP64_LIMIT = 0xFFFFFFFF  # miniz switches a field to zip64 at >= this value (a variable so tests can lower it)
 
 _LOCAL_HEADER: Final = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL_HEADER: Final = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -84,7 +73,7 @@ class XserTensorReference:
     """Stand-in for `torch_xla.utils.serialization.TensorReference`, so xser files need no torch_xla.
 
     Pickled by `XserWriter` under torch_xla's exact class path (same `__dict__`, `{"tid": n}`); readers see
-    torch_xla's class (`training.formats.readers.open_xser` reads these files without torch_xla).
+    torch_xla's class (`training.formats.torch_reader.open_xser` reads these files without torch_xla).
     """
 
     def __init__(self, tid: int) -> None:
@@ -128,56 +117,6 @@ def _storage_class(dtype: torch.dtype) -> type:
     return storage_class
 
 
-_copy_buffers = threading.local()
-
-
-def _copy_buffer() -> torch.Tensor:
-    """This thread's staging buffer: reused, so copying a view costs no fresh pages (no page faults)."""
-    buffer: torch.Tensor | None = getattr(_copy_buffers, "buffer", None)
-    if buffer is None:
-        buffer = _copy_buffers.buffer = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
-    return buffer
-
-
-def _contiguous_pieces(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Contiguous parts of `tensor` in row-major order, each valid only until the next is requested.
-
-    A non-contiguous view is copied through this thread's staging buffer, at most `_CHUNK_BYTES` at a time.
-    """
-    if tensor.is_contiguous():  # includes 0-d and empty tensors
-        yield tensor
-        return
-    row_bytes = tensor[0].numel() * tensor.element_size()
-    if row_bytes > _CHUNK_BYTES and tensor.dim() > 1:
-        for row in tensor:
-            yield from _contiguous_pieces(row)
-        return
-    step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
-    buffer = _copy_buffer()
-    for start in range(0, tensor.shape[0], step):
-        piece = tensor[start : start + step]
-        staged = buffer[: piece.numel() * piece.element_size()].view(piece.dtype).view(piece.shape)
-        yield staged.copy_(piece)
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> Iterator[memoryview]:
-    """The tensor's elements as raw bytes in row-major order, without materializing a full copy of a view."""
-    for piece in _contiguous_pieces(tensor):
-        if piece.numel():
-            yield piece.reshape(-1).view(torch.uint8).numpy().data
-        del piece  # release this copy before the next one is made
-
-
-def _prepare(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor whose bytes can be read through numpy (no autograd, neg or conj flags)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type == "meta":
-        raise ValueError("a meta tensor has no data to write")
-    tensor = tensor.detach().resolve_conj().resolve_neg()
-    return tensor if tensor.device.type == "cpu" else tensor.cpu()
-
-
 class _ZipWriter:
     """Appends stored (uncompressed) records to a zip the way PyTorch's miniz-based writer lays them out."""
 
@@ -197,10 +136,10 @@ class _ZipWriter:
         full_name = f"{self._prefix}/{name}".encode()
         offset = self._pos
         zip64 = b""
-        if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
+        if size >= ZIP64_LIMIT or offset >= ZIP64_LIMIT:
             # miniz writes the uncompressed size, a compressed size of 0 (not yet known) and the offset.
-            fields = struct.pack("<QQ", size, 0) if size >= _ZIP64_LIMIT else b""
-            fields += struct.pack("<Q", offset) if offset >= _ZIP64_LIMIT else b""
+            fields = struct.pack("<QQ", size, 0) if size >= ZIP64_LIMIT else b""
+            fields += struct.pack("<Q", offset) if offset >= ZIP64_LIMIT else b""
             zip64 = struct.pack("<HH", 1, len(fields)) + fields
         data_start = offset + _LOCAL_HEADER.size + len(full_name) + len(zip64) + 4
         padding = -data_start % _ALIGNMENT
@@ -231,8 +170,8 @@ class _ZipWriter:
         """Writes the central directory and the zip64 and classic end records (torch always writes both)."""
         cd_offset = self._pos
         for full_name, crc, size, offset, flags in self._entries:
-            fields = struct.pack("<QQ", size, size) if size >= _ZIP64_LIMIT else b""
-            fields += struct.pack("<Q", offset) if offset >= _ZIP64_LIMIT else b""
+            fields = struct.pack("<QQ", size, size) if size >= ZIP64_LIMIT else b""
+            fields += struct.pack("<Q", offset) if offset >= ZIP64_LIMIT else b""
             zip64 = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
             size32 = min(size, 0xFFFFFFFF)
             name_len, extra_len, offset32 = len(full_name), len(zip64), min(offset, 0xFFFFFFFF)
@@ -293,34 +232,7 @@ def _rename_globals(data: bytes) -> bytes:
     return bytes(out)
 
 
-_W = TypeVar("_W", bound="_Writer")
-
-
-class _Writer:
-    """Context-manager behaviour shared by the writers: finish on success, remove the partial file on error."""
-
-    def _is_open(self) -> bool:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def abort(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self: _W) -> _W:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is not None:
-            self.abort()
-        elif self._is_open():
-            self.close()
-
-
-class TorchFileWriter(_Writer):
+class TorchFileWriter(Writer):
     """Streams tensors into a file that `torch.load` (also with `mmap=True, weights_only=True`) reads as
     if `torch.save(root(state), path)` had written it, holding only one tensor (or an 8 MB piece of a
     non-contiguous view) in memory at a time.
@@ -338,7 +250,7 @@ class TorchFileWriter(_Writer):
         self._refs: dict[int, _StorageRef] = {}  # id(meta tensor) -> its record
         self._crcs: list[int] = []
 
-    def _is_open(self) -> bool:
+    def is_open(self) -> bool:
         return self._file is not None
 
     def _open_file(self) -> BinaryIO:
@@ -351,8 +263,8 @@ class TorchFileWriter(_Writer):
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
         _storage_class(tensor.dtype)  # refuse unsupported dtypes before writing anything
-        tensor = _prepare(tensor)
-        self._record(key, _tensor_bytes(tensor), tensor.dtype, tuple(tensor.shape))
+        tensor = prepare_tensor(tensor)
+        self._record(key, tensor_bytes(tensor), tensor.dtype, tuple(tensor.shape))
 
     def add_pieces(self, key: str, pieces: Iterable[torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Like `add`, for a tensor given as consecutive row-major pieces, each written as it comes."""
@@ -361,7 +273,7 @@ class TorchFileWriter(_Writer):
             for piece in pieces:
                 if piece.dtype != dtype:
                     raise ValueError(f"{self.path}: a piece of {key!r} is {piece.dtype}, expected {dtype}")
-                yield from _tensor_bytes(_prepare(piece))
+                yield from tensor_bytes(prepare_tensor(piece))
 
         self._record(key, chunks(), dtype, shape)
 
@@ -372,7 +284,7 @@ class TorchFileWriter(_Writer):
             or sum(r.length for r in ranges) != torch.Size(shape).numel() * dtype.itemsize
         ):
             raise ValueError(f"{self.path}: the pieces of {key!r} do not add up to {dtype} {shape}")
-        self._record(key, _range_chunks(ranges), dtype, shape)
+        self._record(key, range_chunks(ranges), dtype, shape)
 
     def _record(self, key: str, chunks: Iterable[memoryview], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """One storage record from `chunks`, and the placeholder the pickle will refer to it by."""
@@ -452,7 +364,7 @@ def _tensor_file(path: Path, tid: int) -> Path:
     return _tensors_dir(path) / f"tensor_{tid}.pt"
 
 
-class XserWriter(_Writer):
+class XserWriter(Writer):
     """Streams a torch_xla xser checkpoint: tensor `tid` goes to `<path>.tensors/tensor_<tid>.pt` at `add`
     (tids in `add` order), and `close` writes `<path>` with each tensor replaced by a
     `torch_xla.utils.serialization.TensorReference(tid)`, as `torch_xla.utils.serialization.save` does.
@@ -472,7 +384,7 @@ class XserWriter(_Writer):
         self._refs: dict[str, XserTensorReference] | None = {}
         self._info: dict[int, dict[str, Any]] = {}
 
-    def _is_open(self) -> bool:
+    def is_open(self) -> bool:
         return self._refs is not None
 
     def _open_refs(self) -> dict[str, XserTensorReference]:
@@ -523,184 +435,3 @@ class XserWriter(_Writer):
         self.path.unlink(missing_ok=True)
         _info_file(self.path).unlink(missing_ok=True)
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-# safetensors dtype names, in the order of the Rust `Dtype` enum; `save_file` sorts by descending position.
-_SAFETENSORS_DTYPES: Final[dict[torch.dtype, str]] = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.int16: "I16",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-}
-_SAFETENSORS_RANK: Final = {dtype: rank for rank, dtype in enumerate(_SAFETENSORS_DTYPES)}
-
-SafetensorsPlan = Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
-
-
-def safetensors_save_order(plan: SafetensorsPlan) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The plan in the order `safetensors.torch.save_file` lays tensors out (descending dtype alignment, then
-    name). A `SafetensorsWriter` given this order writes the same bytes as `save_file` whenever the metadata
-    has at most one key: `save_file` writes several keys in a random order (a Rust HashMap), we sort them."""
-    for _, dtype, _ in plan:
-        _safetensors_dtype(dtype)
-    return sorted(plan, key=lambda entry: (-_SAFETENSORS_RANK[entry[1]], entry[0]))
-
-
-def _safetensors_dtype(dtype: torch.dtype) -> str:
-    try:
-        return _SAFETENSORS_DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype} for safetensors") from None
-
-
-def _range_chunks(ranges: Sequence[FileRange]) -> Iterator[memoryview]:
-    """The bytes of `ranges` in order, read through this thread's staging buffer (as `cp` copies).
-
-    Each chunk is only valid until the next is requested. copy_file_range would save a copy, but the zip
-    records need a CRC of the bytes, and a fresh buffer per tensor would cost a page fault per page.
-    """
-    view = memoryview(cast(Any, _copy_buffer().numpy()))
-    for piece in ranges:
-        with piece.path.open("rb") as source:
-            offset, remaining = piece.offset, piece.length
-            while remaining:
-                read = os.preadv(source.fileno(), [view[: min(remaining, len(view))]], offset)
-                if read <= 0:
-                    raise ValueError(f"{piece.path}: ends before byte {offset + remaining}")
-                yield view[:read]
-                offset += read
-                remaining -= read
-
-
-class SafetensorsWriter(_Writer):
-    """Streams a safetensors file whose header is written up front from a plan of (name, dtype, shape).
-
-    Tensors are stored in plan order; any order is a valid file, and `safetensors_save_order(plan)` gives
-    the order `save_file` uses. Use as a context manager so an exception removes the partial file.
-    """
-
-    def __init__(self, path: Path, plan: SafetensorsPlan, metadata: dict[str, str] | None = None) -> None:
-        self.path = Path(path)
-        entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-        header: dict[str, Any] = {}
-        if metadata is not None:
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-                raise ValueError("safetensors metadata must map str to str")
-            header["__metadata__"] = {key: metadata[key] for key in sorted(metadata)}
-        offset = 0
-        for name, dtype, shape in plan:
-            shape = tuple(int(dim) for dim in shape)
-            st_dtype = _safetensors_dtype(dtype)
-            if name in header or name == "__metadata__":
-                raise ValueError(f"{self.path}: duplicate or reserved tensor name {name!r}")
-            if any(dim < 0 for dim in shape):
-                raise ValueError(f"{self.path}: negative dimension in shape {shape} of {name!r}")
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            header[name] = {
-                "dtype": st_dtype,
-                "shape": list(shape),
-                "data_offsets": [offset, offset + nbytes],
-            }
-            entries.append((name, dtype, shape))
-            offset += nbytes
-        encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the reference writer pads it
-        self._plan = entries
-        self._next = 0
-        self._file: BinaryIO | None = open(self.path, "wb")  # noqa: SIM115 - closed by close()/abort()
-        try:
-            self._file.write(struct.pack("<Q", len(encoded)) + encoded)
-        except BaseException:
-            self.abort()
-            raise
-
-    def _is_open(self) -> bool:
-        return self._file is not None
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Writes the next planned tensor's bytes now; name, dtype and shape must match the plan."""
-        _, dtype, shape = self._expect(name)
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(
-                f"{self.path}: {name!r} is {tensor.dtype} {tuple(tensor.shape)}, the plan says {dtype} {shape}"
-            )
-        self._write_pieces(name, [tensor], torch.Size(shape).numel())
-
-    def add_pieces(self, name: str, pieces: Iterable[torch.Tensor]) -> None:
-        """Writes the next planned tensor given as consecutive row-major pieces, each written as it comes."""
-        _, dtype, shape = self._expect(name)
-
-        def checked() -> Iterator[torch.Tensor]:
-            for piece in pieces:
-                if piece.dtype != dtype:
-                    raise ValueError(f"{self.path}: a piece of {name!r} is {piece.dtype}, the plan says {dtype}")
-                yield piece
-
-        self._write_pieces(name, checked(), torch.Size(shape).numel())
-
-    def add_ranges(self, name: str, ranges: Sequence[FileRange]) -> None:
-        """Writes the next planned tensor as byte ranges of other files, copied by the kernel (as `cp` does)."""
-        _, dtype, shape = self._expect(name)
-        file = self._file
-        assert file is not None
-        expected = torch.Size(shape).numel() * dtype.itemsize
-        try:
-            if any(r.dtype != dtype for r in ranges) or sum(r.length for r in ranges) != expected:
-                raise ValueError(f"{self.path}: the pieces of {name!r} do not add up to {dtype} {shape}")
-            for chunk in _range_chunks(ranges):
-                file.write(chunk)
-        except BaseException:
-            self.abort()
-            raise
-        self._next += 1
-
-    def _expect(self, name: str) -> tuple[str, torch.dtype, tuple[int, ...]]:
-        if self._file is None:
-            raise ValueError(f"{self.path}: writer is closed")
-        if self._next >= len(self._plan):
-            raise ValueError(f"{self.path}: {name!r} is not in the plan (all {len(self._plan)} tensors written)")
-        expected = self._plan[self._next]
-        if name != expected[0]:
-            raise ValueError(f"{self.path}: expected {expected[0]!r} next (plan order), got {name!r}")
-        return expected
-
-    def _write_pieces(self, name: str, pieces: Iterable[torch.Tensor], numel: int) -> None:
-        file = self._file
-        assert file is not None
-        written = 0
-        try:
-            for piece in pieces:
-                written += piece.numel()
-                for chunk in _tensor_bytes(_prepare(piece)):
-                    file.write(chunk)
-                    del chunk  # a view's copied piece must be freed before the next one is made
-            if written != numel:
-                raise ValueError(f"{self.path}: {name!r} got {written} elements, the plan says {numel}")
-        except BaseException:
-            self.abort()
-            raise
-        self._next += 1
-
-    def close(self) -> None:
-        """Finishes the file; raises `ValueError` (and removes the file) if planned tensors were not written."""
-        if self._file is None:
-            raise ValueError(f"{self.path}: writer is closed")
-        if self._next != len(self._plan):
-            missing = [name for name, _, _ in self._plan[self._next :]]
-            self.abort()
-            raise ValueError(f"{self.path}: {len(missing)} planned tensors were not written: {missing[:5]}")
-        self._file.close()
-        self._file = None
-
-    def abort(self) -> None:
-        """Closes and deletes the partial file."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        self.path.unlink(missing_ok=True)

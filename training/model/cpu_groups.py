@@ -1,0 +1,161 @@
+"""The CPU backend's world: torch.distributed on gloo and the [PP, DP, TP] process groups, as neuronx-distributed
+arranges them.
+
+Part of the CPU backend (`training.model.cpu_backend` presents its names to the facade); the collectives and the
+layers ask this module for their groups.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store
+from torch.distributed import ProcessGroup
+from torch.distributed.rendezvous import rendezvous as env_rendezvous
+
+from training.errors import UserError
+
+
+@dataclass
+class _State:
+    tp: int
+    pp: int
+    tp_group: ProcessGroup
+    dp_group: ProcessGroup
+    pp_group: ProcessGroup
+    owns_world: bool
+    kv_groups: dict[int, ProcessGroup] = field(default_factory=dict)
+
+
+_state: _State | None = None
+_generation = 0
+_store: tuple[Store, int, int] | None = None
+
+
+def _launcher_store() -> tuple[Store, int, int]:
+    """torchrun's key-value store (env:// from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), opened once."""
+    global _store
+    if _store is None:
+        _store = next(env_rendezvous("env://"))
+    return _store
+
+
+def initialize(tp: int, pp: int, options: Mapping[str, Any]) -> None:
+    """gloo over env:// under torchrun (RANK, WORLD_SIZE, MASTER_ADDR), else a one-process world.
+
+    `options` configure neuronx-distributed's trainer; nothing here uses them."""
+    global _state, _generation
+    owns_world = not dist.is_initialized()
+    if owns_world:
+        _generation += 1
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            store, rank, world = _launcher_store()
+            # A fresh key prefix per initialisation: a process may initialise again after destroy()
+            # (the tests run several TP degrees in one torchrun), and old rendezvous keys must not be reused.
+            prefixed = PrefixStore(f"training.model.parallel.{_generation}", store)
+            dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world)
+        else:
+            store = HashStore()
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    world = dist.get_world_size()
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        if owns_world:
+            dist.destroy_process_group()
+        degrees = f"tensor-parallel degree {tp}" + (f" x pipeline degree {pp}" if pp != 1 else "")
+        raise UserError(f"{degrees} must divide the number of processes ({world})")
+    # [PP, DP, TP] row-major, as neuronx-distributed arranges ranks: TP groups are consecutive ranks.
+    dp = world // (tp * pp)
+
+    def at(p: int, d: int, t: int) -> int:
+        return (p * dp + d) * tp + t
+
+    grid = [(p, d, t) for p in range(pp) for d in range(dp) for t in range(tp)]
+    tp_group = _own_group([[at(p, d, t) for t in range(tp)] for p, d, t in grid if t == 0])
+    dp_group = _own_group([[at(p, d, t) for d in range(dp)] for p, d, t in grid if d == 0])
+    pp_group = _own_group([[at(p, d, t) for p in range(pp)] for p, d, t in grid if p == 0])
+    _state = _State(tp=tp, pp=pp, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, owns_world=owns_world)
+
+
+def _own_group(partition: list[list[int]]) -> ProcessGroup:
+    """Create every group of a partition of the ranks (a collective call); return this rank's."""
+    mine: ProcessGroup | None = None
+    for ranks in partition:
+        group: ProcessGroup = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    assert mine is not None, f"rank {dist.get_rank()} is in none of {partition}"
+    return mine
+
+
+def destroy() -> None:
+    global _state
+    if _state is None:
+        return
+    if _state.owns_world:
+        dist.destroy_process_group()
+    else:
+        for group in {_state.tp_group, _state.dp_group, _state.pp_group, *_state.kv_groups.values()}:
+            dist.destroy_process_group(group)
+    _state = None
+
+
+def _get() -> _State:
+    assert _state is not None, "the CPU parallel backend is not initialized"  # the facade says so to its callers
+    return _state
+
+
+def tp_rank() -> int:
+    return dist.get_rank() % _get().tp
+
+
+def tp_size() -> int:
+    return _get().tp
+
+
+def tp_group() -> ProcessGroup:
+    return _get().tp_group
+
+
+def dp_rank() -> int:
+    return dist.get_rank() // _get().tp % dp_size()
+
+
+def dp_size() -> int:
+    return dist.get_world_size() // (_get().tp * _get().pp)
+
+
+def dp_group() -> ProcessGroup:
+    return _get().dp_group
+
+
+def pp_rank() -> int:
+    return dist.get_rank() // (_get().tp * dp_size())
+
+
+def pp_size() -> int:
+    return _get().pp
+
+
+def pp_group() -> ProcessGroup:
+    return _get().pp_group
+
+
+def kv_shared_group(multiplier: int) -> ProcessGroup:
+    """The TP ranks holding the same KV heads when K/V are repeated `multiplier` times: r, r + tp/m, ...
+
+    Created on first use; every rank builds the same layers in the same order, so creation stays collective.
+    """
+    state = _get()
+    if multiplier not in state.kv_groups:
+        stride, world = state.tp // multiplier, dist.get_world_size()
+        groups = [
+            [start + offset + i * stride for i in range(multiplier)]
+            for start in range(0, world, state.tp)
+            for offset in range(stride)
+        ]
+        state.kv_groups[multiplier] = _own_group(groups)
+    return state.kv_groups[multiplier]
