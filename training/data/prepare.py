@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from training.config.model import IGNORE_INDEX
 from training.data.block_writer import BlockWriter
 from training.data.chat import BadExample, ChatRenderer, validate_messages
 from training.data.mixing import WEIGHTS_ARE, MixSource, MixStats, check_mix, concatenate, mix
-from training.data.packing import IGNORE_INDEX, BlockPacker, Example, PackStats, concatenate_documents, pack_examples
+from training.data.packing import BlockPacker, Example, PackStats, concatenate_documents, pack_examples
 from training.data.sources import ReadStats, Source, iter_records, resolve_source
 from training.data.tokenization import LoadedTokenizer, load_tokenizer
 from training.errors import UserError
