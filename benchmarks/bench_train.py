@@ -55,6 +55,7 @@ def hf_model(architecture: str, directory: Path) -> Any:
 
 
 def our_model(directory: Path, work: Path, **execution: Any) -> Any:
+    from training.config.model import ModelConfig
     from training.formats.convert import ConvertOptions, convert
     from training.formats.hf import read_config
     from training.model.transformer import Execution, build_model
@@ -64,7 +65,7 @@ def our_model(directory: Path, work: Path, **execution: Any) -> Any:
     if not weights.is_dir():
         convert(ConvertOptions(source_format="hf", target_format="nxd", input=directory, output=weights, tp=1))
     config, config_path = read_config(directory, None)
-    model = build_model(config, seed=None, router_aux_loss=False, execution=Execution(**execution))
+    model = build_model(ModelConfig.from_hf(config), seed=None, router_aux_loss=False, execution=Execution(**execution))
     load_pretrained(weights, config_path, model)
     return model
 

@@ -145,6 +145,7 @@ def tiny_recipes(rounds: int, work: Path) -> dict[str, dict[str, list[dict[str, 
 
 def bigger_build(mode: str, hf: Path, pretrained: Path, out: Path) -> None:
     """Build (as `mode` says) and load the bigger model, in this process; write time and peak memory."""
+    from training.config.model import ModelConfig
     from training.formats.hf import read_config
     from training.model import parallel
     from training.model.transformer import build_model
@@ -154,7 +155,7 @@ def bigger_build(mode: str, hf: Path, pretrained: Path, out: Path) -> None:
     parallel.initialize(1, "cpu")
     baseline = peak_rss()
     start = time.perf_counter()
-    model = build_model(config, seed=0 if mode == "before" else None)
+    model = build_model(ModelConfig.from_hf(config), seed=0 if mode == "before" else None)
     built = time.perf_counter() - start
     load_pretrained(pretrained, config_path, model)
     total = time.perf_counter() - start
@@ -217,12 +218,14 @@ def initialisation(config: dict[str, Any], tp: int, pp: int, kv: int, dtype_byte
 
 
 def real_recipes() -> list[dict[str, Any]]:
+    from training.config.hardware import DEFAULT_HARDWARE
     from training.config.model import default_kv_multiplier
+    from training.config.precision import PARAMETER_DTYPE
     from training.config.recipe import load_recipe
+    from training.model.transformer import DTYPES
     from training.train import memory
-    from training.train.precision import PARAMETER_DTYPE
 
-    hardware = memory.DEFAULT_HARDWARE
+    hardware = DEFAULT_HARDWARE
     rows = []
     for name in REAL:
         recipe = load_recipe(name)
@@ -231,7 +234,7 @@ def real_recipes() -> list[dict[str, Any]]:
         workload = memory.workload_of(recipe, config, hardware)
         tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
         kv = recipe.parallelism.kv_size_multiplier or default_kv_multiplier(workload.spec, tp)
-        dtype_bytes = torch.empty((), dtype=PARAMETER_DTYPE[recipe.precision]).element_size()
+        dtype_bytes = torch.empty((), dtype=DTYPES[PARAMETER_DTYPE[recipe.precision]]).element_size()
         stages = initialisation(config, tp, pp, kv, dtype_bytes, nxd=True)
         worst = max(stages.values(), key=lambda s: s["layers"] + s["seeded"])
         plan, _ = memory.report(recipe, hardware)

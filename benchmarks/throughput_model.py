@@ -3,8 +3,8 @@
     python benchmarks/throughput_model.py [--recipe llama31-8b-cpt] [--nodes N] [--instance-type trn1.32xlarge]
 
 Nothing is timed and nothing calls AWS. The training job logs MFU as model FLOPs per token
-(`training.model.transformer.model_flops_per_token` of the recipe's config at its sequence length) x tokens/s,
-over `peak_tflops_per_worker` x the workers (one per NeuronCore, `stacks/instance_types.py`); this prints what
+(`training.config.model.flops_per_token` of the recipe's config at its sequence length) x tokens/s,
+over `peak_tflops_per_worker` x the workers (one per NeuronCore, `training/config/hardware.py`); this prints what
 that model makes of three throughputs of Llama 3.1 8B at sequence 8192 on trn1.32xlarge:
 
 - Neuron's published figure: 1.50 sequences/s per node (SDK 2.24's performance table, 32 nodes, TP 32, ZeRO-1,
@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stacks.instance_types import COMPUTE_INSTANCE_TYPES  # noqa: E402
+from training.config.hardware import HARDWARE  # noqa: E402
+from training.config.model import flops_per_token  # noqa: E402
 from training.config.recipe import Recipe, load_recipe  # noqa: E402
 from training.errors import UserError, report  # noqa: E402
 from training.train.memory import known_models, model_config  # noqa: E402
@@ -64,9 +65,9 @@ class ThroughputModel:
     seq_len: int
     global_batch: int
     steps: int
-    flops_per_token: float  # model_flops_per_token of the recipe's config at its sequence length
+    flops_per_token: float  # flops_per_token of the recipe's config at its sequence length
     peak_tflops_per_worker: float  # the recipe's
-    usd_per_node_hour: float  # on-demand list price (stacks/instance_types.py)
+    usd_per_node_hour: float  # on-demand list price (training/config/hardware.py)
 
     @property
     def peak_flops_per_node(self) -> float:
@@ -97,8 +98,6 @@ def throughput_model(
     recipe_name: str = REFERENCE_RECIPE, nodes: str | None = None, instance_type: str = PUBLISHED_INSTANCE_TYPE
 ) -> ThroughputModel:
     """The recipe's model (`nodes` as the recipe override `nodes=N`); UserError for a bad recipe or node count."""
-    from training.model.transformer import model_flops_per_token  # torch: imported once the arguments are good
-
     recipe: Recipe = load_recipe(recipe_name, [] if nodes is None else [f"nodes={nodes}"])
     config = model_config(recipe)
     if config is None:
@@ -106,17 +105,17 @@ def throughput_model(
             f"model.config {recipe.model.config}: no config.json there and not a bundled model "
             f"({', '.join(known_models())}); set model.config to a copy of the model's directory"
         )
-    facts = COMPUTE_INSTANCE_TYPES[instance_type]
+    facts = HARDWARE[instance_type]
     return ThroughputModel(
         recipe=recipe.name,
         model=Path(recipe.model.config).name,
         nodes=recipe.nodes,
         instance_type=instance_type,
-        workers_per_node=facts.neuron_cores,
+        workers_per_node=facts.cores_per_node,
         seq_len=recipe.batch.seq_len,
         global_batch=recipe.batch.global_batch,
         steps=recipe.steps,
-        flops_per_token=model_flops_per_token(config, recipe.batch.seq_len),
+        flops_per_token=flops_per_token(config, recipe.batch.seq_len),
         peak_tflops_per_worker=recipe.peak_tflops_per_worker,
         usd_per_node_hour=facts.usd_per_hour,
     )
@@ -187,7 +186,7 @@ def render(model: ThroughputModel, reference: ThroughputModel) -> str:
     lines = [
         f"{model.recipe}: {model.model}, {model.nodes} x {model.instance_type} ({model.workers_per_node} "
         f"NeuronCores each), seq {model.seq_len}, global batch {model.global_batch}, {model.steps:,} steps",
-        f"model FLOPs per token: {model.flops_per_token / 1e9:.2f} GFLOP (model_flops_per_token: 6 x active "
+        f"model FLOPs per token: {model.flops_per_token / 1e9:.2f} GFLOP (flops_per_token: 6 x active "
         "weights + 12 x layers x heads x head_dim x seq)",
         f"peak: {model.peak_tflops_per_worker:g} BF16 TFLOPS per NeuronCore (the recipe's peak_tflops_per_worker) x "
         f"{model.workers_per_node} = {per_node_peak:,.0f} TFLOPS per node",
@@ -211,7 +210,7 @@ def render(model: ThroughputModel, reference: ThroughputModel) -> str:
             f"({DOCUMENT_SEQ_PER_SECOND} / {DOCUMENT_NODES} = {document.seq_per_node:.4f} seq/s per node, {inside} "
             f"the published {low}-{high} across SDK 2.20-2.24)"
         )
-        # Neuron's 57.9 GFLOP counts what model_flops_per_token counts: 6 x the weights a token multiplies
+        # Neuron's 57.9 GFLOP counts what flops_per_token counts: 6 x the weights a token multiplies
         # (7.50 G: attention, MLP, LM head; 45.0 GFLOP) plus the attention scores over the whole sequence,
         # causal half not discounted (12 x 32 layers x 4096 x 8192 = 12.9 GFLOP). 6 x weights alone would be
         # 45.0 GFLOP and put the published figure at 18 % MFU instead of Neuron's 23 %.
@@ -238,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--instance-type",
         default=PUBLISHED_INSTANCE_TYPE,
-        choices=sorted(COMPUTE_INSTANCE_TYPES),
+        choices=sorted(HARDWARE),
         help=f"the training nodes (default: {PUBLISHED_INSTANCE_TYPE}, the published figure's)",
     )
     arguments = parser.parse_args(argv)

@@ -16,14 +16,15 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 from pydantic.json_schema import SkipJsonSchema
 
-from stacks.instance_types import COMPUTE_INSTANCE_TYPES, CPU_INSTANCE_TYPES
+from stacks.instance_types import CPU_INSTANCE_TYPES
+from training.config.hardware import DEFAULT_HARDWARE, HARDWARE
 from training.config.loading import Allowed, Bool, ConfigError, Int, Str, StrictModel, build, check, read_mapping
 from training.config.recipe import HubRepo, Recipe, bundled_recipes, load_recipe, resolve_recipe_path
 from training.config.tracking import Tracking
 from training.errors import UserError
 from training.secrets import SecretArn
 from training.train.forecast import budget_refusal
-from training.train.memory import HARDWARE, refusal
+from training.train.memory import refusal
 
 # Pinned once: the custom-resource provider template, the offline validator in the tests and the docs
 # all follow this version.
@@ -144,7 +145,7 @@ QueueUpdateStrategy = Literal["DRAIN", "TERMINATE"]
 
 
 class ComputeConfig(StrictModel):
-    instance_type: Str = Field("trn1.32xlarge", json_schema_extra={"enum": list(COMPUTE_INSTANCE_TYPES)})
+    instance_type: Str = Field(DEFAULT_HARDWARE.name, json_schema_extra={"enum": list(HARDWARE)})
     queue_name: QueueName = "compute1"
     min_count: Annotated[int, Field(strict=True, ge=0), Allowed("0 (scale to zero) or more")] = 0
     max_count: Annotated[int, Field(strict=True, ge=1), Allowed("1 or more")] = 4
@@ -491,16 +492,16 @@ def _over_budget(config: EnvironmentConfig, recipe: Recipe) -> str | None:
 
 
 def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, str], None]) -> None:
-    facts = COMPUTE_INSTANCE_TYPES.get(compute.instance_type)
+    facts = HARDWARE.get(compute.instance_type)
     if facts is None:
-        bad("compute.instance_type", compute.instance_type, ", ".join(COMPUTE_INSTANCE_TYPES))
+        bad("compute.instance_type", compute.instance_type, ", ".join(HARDWARE))
     _validate_capacity(compute, bad)
     if compute.min_count > compute.max_count:
         bad("compute.min_count", compute.min_count, f"at most compute.max_count ({compute.max_count})")
     if facts is None:
         return
     if compute.efa and not facts.efa:
-        efa_types = ", ".join(name for name, f in COMPUTE_INSTANCE_TYPES.items() if f.efa)
+        efa_types = ", ".join(name for name, f in HARDWARE.items() if f.efa)
         bad("compute.efa", True, f"false for {compute.instance_type}, which has no EFA (EFA types: {efa_types})")
     elif compute.max_count > 1 and not compute.efa:
         if facts.efa:

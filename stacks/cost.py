@@ -2,9 +2,9 @@
 
 Three states: idle (nodes scaled to zero: head node, file system, NAT), while a CPU stage runs (prepare,
 convert, sample, export: the CPU queue's nodes start), and while training (every Trainium node). List
-prices from `stacks/instance_types.py` (us-west-2 on-demand); data transfer, S3 and CloudWatch Logs are
-left out; the monitoring's CloudWatch metrics, dashboard and alarms are in. The README's cost table is
-this command's output for the default environment (a test keeps it so).
+prices from `stacks/instance_types.py` and `training/config/hardware.py` (us-west-2 on-demand); data
+transfer, S3 and CloudWatch Logs are left out; the monitoring's CloudWatch metrics, dashboard and alarms are
+in. The README's cost table is this command's output for the default environment (a test keeps it so).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from stacks.instance_types import (
     CLOUDWATCH_COMPOSITE_ALARM_USD_PER_MONTH,
     CLOUDWATCH_DASHBOARD_USD_PER_MONTH,
     CLOUDWATCH_METRIC_USD_PER_MONTH,
-    COMPUTE_INSTANCE_TYPES,
     CPU_INSTANCE_TYPES,
     FSX_SCRATCH_2_USD_PER_GB_MONTH,
     GP3_USD_PER_GIB_MONTH,
@@ -31,6 +30,7 @@ from stacks.instance_types import (
     ROUTE53_HOSTED_ZONE_USD_PER_MONTH,
 )
 from stacks.monitoring import ALARM_METRICS
+from training.config.hardware import HARDWARE
 from training.config.recipe import Recipe, load_recipe
 from training.errors import UserError, report
 from training.monitoring.cluster import ALWAYS_SENT_JOB_STATES, NODE_STATES
@@ -38,7 +38,6 @@ from training.monitoring.neuron import METRICS_PER_REPORT
 from training.pipeline.runs import STAGES
 from training.pipeline.timeline import most_phases
 from training.train.forecast import Forecast, forecast_of
-from training.train.memory import HARDWARE
 from training.train.metrics import CLOUDWATCH_METRICS
 
 IDLE_TARGET_USD_PER_HOUR = 0.75  # what an environment left deployed but unused should cost at most
@@ -68,7 +67,7 @@ def cost_lines(config: EnvironmentConfig) -> list[CostLine]:
     head_root = volume_usd_per_hour(config.head_node.root_volume_gib)
     fsx = config.storage.fsx_capacity_gib * FSX_SCRATCH_2_USD_PER_GB_MONTH / HOURS_PER_MONTH
     compute = config.compute
-    trainium = COMPUTE_INSTANCE_TYPES[compute.instance_type].usd_per_hour
+    trainium = HARDWARE[compute.instance_type].usd_per_hour
     idle_nodes, nodes = compute.node_counts
     trainium_root = volume_usd_per_hour(compute.root_volume_gib)
     lines = [
@@ -175,7 +174,7 @@ def render_table(config: EnvironmentConfig) -> str:
 def training_node_usd_per_hour(config: EnvironmentConfig) -> float:
     """One Trainium node while it trains: its list price and its root volume."""
     compute = config.compute
-    return COMPUTE_INSTANCE_TYPES[compute.instance_type].usd_per_hour + volume_usd_per_hour(compute.root_volume_gib)
+    return HARDWARE[compute.instance_type].usd_per_hour + volume_usd_per_hour(compute.root_volume_gib)
 
 
 def besides_training_nodes_usd_per_hour(config: EnvironmentConfig) -> float:

@@ -1,4 +1,5 @@
-"""Facts about the instance types an environment may use, for validation before synth and for the cost table.
+"""Facts about the CPU instance types and the services an environment uses, for validation before synth and
+for the cost table; the Trainium types are `training.config.hardware`'s table (the planner's too).
 
 Prices are us-west-2 on-demand Linux list prices in USD per hour (the AWS pricing pages, late 2026); other
 regions differ by a few percent. They feed `python -m stacks.cost`, never a deployment.
@@ -10,34 +11,11 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class ComputeInstanceFacts:
-    neuron_devices: int  # /dev/neuron* on a healthy node (2 NeuronCores each)
-    efa_devices: int  # /sys/class/infiniband/* on a healthy node
-    usd_per_hour: float
-
-    @property
-    def neuron_cores(self) -> int:
-        return 2 * self.neuron_devices
-
-    @property
-    def efa(self) -> bool:
-        return self.efa_devices > 0
-
-
-@dataclass(frozen=True)
 class CpuInstanceFacts:
     vcpus: int
     memory_gib: int
     usd_per_hour: float
 
-
-# Source: EC2 instance type pages for Trn1/Trn1n (16 chips x 2 NeuronCore-v2; trn1.2xlarge 1 chip, no EFA;
-# trn1.32xlarge 8 EFA interfaces at 800 Gbps, trn1n.32xlarge 16 at 1600 Gbps).
-COMPUTE_INSTANCE_TYPES: dict[str, ComputeInstanceFacts] = {
-    "trn1.2xlarge": ComputeInstanceFacts(neuron_devices=1, efa_devices=0, usd_per_hour=1.34375),
-    "trn1.32xlarge": ComputeInstanceFacts(neuron_devices=16, efa_devices=8, usd_per_hour=21.50),
-    "trn1n.32xlarge": ComputeInstanceFacts(neuron_devices=16, efa_devices=16, usd_per_hour=24.78),
-}
 
 # x86_64 types for the head node and the CPU queue (the shared Neuron environment is built for x86_64).
 CPU_INSTANCE_TYPES: dict[str, CpuInstanceFacts] = {

@@ -11,7 +11,7 @@ from typing import Any
 
 from stacks.config import EnvironmentConfig
 from stacks.cost import besides_training_nodes_usd_per_hour, training_node_usd_per_hour
-from stacks.instance_types import COMPUTE_INSTANCE_TYPES
+from training.config.hardware import HARDWARE
 from training.config.site import Site
 from training.monitoring.cloudwatch import namespace_of
 
@@ -44,7 +44,7 @@ def site_settings(
     """The site file's content, built with the model `python -m training submit --site` loads it with.
     `file_system_uri` is the bucket prefix the file system imports from (s3://bucket/<fsx_s3_prefix>);
     `compile_cache_store` where the compile cache outlives the environment, promoted by `compile_cache_promoter`."""
-    facts = COMPUTE_INSTANCE_TYPES[config.compute.instance_type]
+    facts = HARDWARE[config.compute.instance_type]
     mount = config.storage.mount_dir
     site = Site(
         name=config.name,
@@ -55,7 +55,7 @@ def site_settings(
         slurm_bin=PARALLELCLUSTER_SLURM_BIN,
         partition=config.compute.queue_name,
         cpu_partition=config.cpu_queue.queue_name if config.cpu_queue else None,
-        processes_per_node=facts.neuron_cores,
+        processes_per_node=facts.cores_per_node,
         instance_type=config.compute.instance_type,
         exclusive=True,
         neuron=True,

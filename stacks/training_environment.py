@@ -17,7 +17,6 @@ from stacks.budget import BudgetGuard
 from stacks.cluster import NODE_FILES_PREFIX, Cluster, NodeHealth, bootstrap_neuron_release
 from stacks.compile_cache import CompileCache, promoter_name
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
-from stacks.instance_types import COMPUTE_INSTANCE_TYPES
 from stacks.log_groups import log_group_with_retention
 from stacks.monitoring import MemoryPlanLine, Monitoring
 from stacks.network import Network
@@ -28,10 +27,11 @@ from stacks.pipeline_site import EXECUTED_FOLDERS, MODELS_FOLDER, shared_env_pat
 from stacks.preflight import Preflight, preflight_checks
 from stacks.storage import Storage
 from stacks.tracking_access import tracking_access
+from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 from training.errors import UserError
 from training.monitoring.cloudwatch import namespace_of
-from training.train.memory import HARDWARE, planned_gib_per_core
+from training.train.memory import planned_gib_per_core
 
 # Where the export stage writes each run's results in the bucket.
 RESULTS_PREFIX = "results"
@@ -80,7 +80,7 @@ def hub_secret_access(config: EnvironmentConfig) -> list[iam.PolicyStatement]:
 
 def node_health(config: EnvironmentConfig) -> NodeHealth:
     """The devices every node of the Trainium queue must show; EFA ones only when the queue uses EFA."""
-    facts = COMPUTE_INSTANCE_TYPES[config.compute.instance_type]
+    facts = HARDWARE[config.compute.instance_type]
     return NodeHealth(
         partition=config.compute.queue_name,
         neuron_devices=facts.neuron_devices,

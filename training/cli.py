@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from training.config.hardware import DEFAULT_HARDWARE, HARDWARE
 from training.config.recipe import bundled_recipes
 from training.data.mixing import MixSource
 from training.errors import UserError, decode_error, os_error, report
@@ -244,9 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. nodes=8")
     plan.add_argument(
         "--instance-type",
-        default="trn1.32xlarge",
-        choices=["trn1.32xlarge", "trn1n.32xlarge", "trn1.2xlarge"],
-        help="the training nodes (default: trn1.32xlarge)",
+        default=DEFAULT_HARDWARE.name,
+        choices=list(HARDWARE),
+        help=f"the training nodes (default: {DEFAULT_HARDWARE.name})",
     )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -652,7 +653,7 @@ def _train(arguments: argparse.Namespace) -> int:
 def _plan(arguments: argparse.Namespace) -> int:
     from training.config.recipe import load_recipe
     from training.train.forecast import forecast_of
-    from training.train.memory import HARDWARE, report
+    from training.train.memory import report
 
     recipe = load_recipe(arguments.recipe, arguments.overrides)
     hardware = HARDWARE[arguments.instance_type]

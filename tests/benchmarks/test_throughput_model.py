@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from stacks.instance_types import COMPUTE_INSTANCE_TYPES
 from tests.conftest import ROOT
+from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 
 
@@ -41,12 +41,12 @@ def test_the_model_is_the_recipes(llama: Any) -> None:
     recipe = load_recipe("llama31-8b-cpt")
     assert (llama.nodes, llama.seq_len, llama.global_batch, llama.steps) == (4, 8192, 1024, 200)
     assert llama.peak_tflops_per_worker == recipe.peak_tflops_per_worker
-    assert llama.workers_per_node == COMPUTE_INSTANCE_TYPES["trn1.32xlarge"].neuron_cores == 32
+    assert llama.workers_per_node == HARDWARE["trn1.32xlarge"].cores_per_node == 32
     assert llama.published_applies
 
 
 def test_each_row_is_consistent(llama: Any) -> None:
-    price = COMPUTE_INSTANCE_TYPES["trn1.32xlarge"].usd_per_hour
+    price = HARDWARE["trn1.32xlarge"].usd_per_hour
     for row in bench.rows(llama, llama):
         assert row.tokens_per_node == pytest.approx(row.seq_per_node * 8192)
         assert row.step_seconds * row.seq_per_node * 4 == pytest.approx(1024)

@@ -13,21 +13,20 @@ import pytest
 
 from stacks.config import load_environment
 from stacks.cost import run_usd_per_hour
-from stacks.instance_types import COMPUTE_INSTANCE_TYPES
 from tests.conftest import ROOT
 from training.cli import main
+from training.config.hardware import DEFAULT_HARDWARE, HARDWARE
+from training.config.model import flops_per_token
 from training.config.recipe import load_recipe
-from training.model.transformer import model_flops_per_token
 from training.train.forecast import (
     PUBLISHED_RANGE,
     PUBLISHED_SEQ_PER_NODE,
     budget_refusal,
-    flops_per_token,
     forecast_of,
     markdown_row,
     mfu,
 )
-from training.train.memory import DEFAULT_HARDWARE, HARDWARE, model_config
+from training.train.memory import model_config
 
 # The issue's figures for the Llama recipe as it stood: 10,000 steps x 1,024 x 8,192 on 4 x trn1.32xlarge.
 AS_IT_STOOD = ["steps=10000"]
@@ -83,21 +82,29 @@ def test_mixtral_is_derived_from_the_published_mfu_band() -> None:
 
 
 def test_the_forecast_counts_the_flops_the_training_job_reports_mfu_with() -> None:
-    for name, seq_len in (("llama31-8b-cpt", 8192), ("mixtral-8x7b-sft", 2048)):
-        config = model_config(load_recipe(name))
-        assert config is not None
-        assert flops_per_token(config, seq_len) == model_flops_per_token(config, seq_len)
+    """One count, of the one parsed model config: the forecast's and the training job's MFU's."""
+    from training.train import forecast, loop
+
+    assert forecast.flops_per_token is loop.flops_per_token is flops_per_token
     llama = model_config(load_recipe("llama31-8b-cpt"))
     assert llama is not None and flops_per_token(llama, 8192) / 1e9 == pytest.approx(57.91, abs=0.01)
 
 
-def test_the_planners_prices_and_devices_are_the_instance_tables() -> None:
-    """The training side's facts (prices for the forecast, device counts for the preflight) are the stacks'."""
-    for name, hardware in HARDWARE.items():
-        facts = COMPUTE_INSTANCE_TYPES[name]
-        assert hardware.usd_per_hour == facts.usd_per_hour, name
-        assert (hardware.neuron_devices, hardware.efa_devices) == (facts.neuron_devices, facts.efa_devices), name
-        assert hardware.cores_per_node == facts.neuron_cores and bool(hardware.efa_gbps) == facts.efa, name
+def test_the_planner_and_the_stacks_read_one_instance_table() -> None:
+    """One row per Trainium type (prices for the forecast and the cost table, device counts for the preflight and
+    the node health check, cores and HBM for the planner), whose derived figures are the published ones."""
+    from stacks.config import ComputeConfig
+
+    assert ComputeConfig.model_json_schema()["properties"]["instance_type"]["enum"] == list(HARDWARE)
+    derived = {
+        name: (h.cores_per_node, h.hbm_gib_per_core, h.efa, h.peak_bf16_tflops_per_core) for name, h in HARDWARE.items()
+    }
+    assert derived == {
+        "trn1.2xlarge": (2, 16.0, False, 95.0),
+        "trn1.32xlarge": (32, 16.0, True, 95.0),
+        "trn1n.32xlarge": (32, 16.0, True, 95.0),
+    }
+    assert load_recipe("llama31-8b-cpt").peak_tflops_per_worker == DEFAULT_HARDWARE.peak_bf16_tflops_per_core
 
 
 def test_budget_refusal_is_one_line_naming_both_numbers_and_the_override() -> None:

@@ -14,9 +14,10 @@ from stacks.monitoring import ALARM_METRICS, FSX_FREE_ALARM_FRACTION, GIB, THROU
 from stacks.training_environment import memory_plan_line
 from tests.conftest import ROOT
 from tests.infra.conftest import Synthesized
+from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 from training.monitoring import cloudwatch as names
-from training.train.memory import HARDWARE, planned_gib_per_core
+from training.train.memory import planned_gib_per_core
 
 ALARMS = (
     "training-stalled",

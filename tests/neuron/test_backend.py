@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.neuron.one_rank import free_port, one_rank_neuron_backend
+from training.config.model import ModelConfig
 from training.formats.convert import ConvertOptions, convert
 from training.formats.lazy import lazy_tensors
 from training.formats.torch_reader import open_checkpoint_file
@@ -312,7 +313,7 @@ def test_neuronx_distributed_loads_what_convert_writes(
     output = tmp_path / "pretrained_weight"
     convert(ConvertOptions(source_format="hf", target_format="nxd", input=world["hf"], output=output, tp=1, xser=xser))
     config, _ = read_config(world["hf"], None)
-    model = build_model(config, seed=None)
+    model = build_model(ModelConfig.from_hf(config), seed=None)
     load_checkpoint(str(output.parent), tag=output.name, model=model, strict=True)
     written = dict(lazy_tensors(open_checkpoint_file(output / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")))
     loaded = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
@@ -331,7 +332,7 @@ def test_placement_keeps_parallel_attributes_and_tied_weights(
     from training.model.transformer import build_model
 
     config, _ = read_config(worlds[architecture]["hf"], None)
-    model = build_model({**config, "tie_word_embeddings": True}, seed=0)
+    model = build_model(ModelConfig.from_hf({**config, "tie_word_embeddings": True}), seed=0)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.device.type == "xla"
     replicated = replicated_targets(model.spec, model.parallelism, "nxd")
@@ -389,7 +390,7 @@ def test_zero1_keeps_each_regimes_dtypes(
     parallel.initialize(1, "neuron", neuron_options=neuron_trainer_options(settings, precision=precision))  # type: ignore[arg-type]
     try:
         config, _ = read_config(worlds["llama"]["hf"], None)
-        model = build_model(config, seed=0, dtype=torch.bfloat16)
+        model = build_model(ModelConfig.from_hf(config), seed=0, dtype=torch.bfloat16)
         optimizer = TrainingOptimizer(model, settings, ScheduleSection(), 10, precision=precision)  # type: ignore[arg-type]
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)).to(parallel.device())
         model(ids, ids).loss.backward()

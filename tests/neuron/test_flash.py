@@ -110,11 +110,12 @@ CONFIG: dict[str, Any] = {
 def forward_then_backward(checkpointing: str, flash: bool) -> tuple[dict[str, int], float, dict[str, torch.Tensor]]:
     """The tiny Llama's forward and backward on one sequence: the kernel launches during backward alone, the
     loss and the gradients."""
+    from training.config.model import ModelConfig
     from training.model import parallel
     from training.model.transformer import Execution, build_model
 
     execution = Execution(activation_checkpointing=checkpointing, flash_attention=flash)  # type: ignore[arg-type]
-    model = build_model(CONFIG, seed=0, execution=execution)
+    model = build_model(ModelConfig.from_hf(CONFIG), seed=0, execution=execution)
     ids = torch.randint(0, CONFIG["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(1))
     ids = ids.to(parallel.device())
     neuron_standins.KERNEL_CALLS.clear()

@@ -31,6 +31,7 @@ def test_a_model_built_for_loading_is_the_initialised_model_loaded(
 ) -> None:
     """Every parameter attribute NxD's gradient norm and ZeRO-1 read is there (the GQA weights', which NxD's
     meta branch leaves out, included), on the XLA device, with the same values once loaded."""
+    from training.config.model import ModelConfig
     from training.model.transformer import build_model
     from training.train.checkpointing import load_pretrained
 
@@ -42,9 +43,9 @@ def test_a_model_built_for_loading_is_the_initialised_model_loaded(
     convert(options)
     config, config_path = read_config(source, None)
     with random_values() as fresh:
-        initialised = build_model(config, seed=0, fuse_qkv=fuse_qkv)
+        initialised = build_model(ModelConfig.from_hf(config), seed=0, fuse_qkv=fuse_qkv)
     with random_values() as loading:
-        built = build_model(config, seed=None, fuse_qkv=fuse_qkv)
+        built = build_model(ModelConfig.from_hf(config), seed=None, fuse_qkv=fuse_qkv)
     assert fresh.bytes > parameter_bytes(initialised)  # NxD's layers and `initialize_weights` both draw
     assert loading.operations == [] and loading.bytes == 0
     assert {p.device.type for p in built.parameters()} == {"xla"}

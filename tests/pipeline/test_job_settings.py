@@ -26,10 +26,10 @@ from pcluster.aws.aws_resources import InstanceTypeInfo
 from tests.pipeline.test_templates import CLUSTER_RECIPES, default_site, rendered
 from tests.support.pcluster_offline import INSTANCE_TYPES
 from training.cli import main
+from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 from training.config.site import Site
 from training.pipeline.runs import RENDEZVOUS_PORTS, plan_run, processes_per_node, render
-from training.train.memory import HARDWARE
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_SCRIPT = ROOT / "assets" / "node" / "on_node_configured.sh"

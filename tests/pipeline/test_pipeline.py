@@ -452,9 +452,10 @@ def test_compiled_graphs_above_the_memory_plan_fail_the_preflight_and_drain_no_n
     while the neuron-monitor stand-in reports 15.2 GiB on a NeuronCore of the second node: the preflight fails in
     one line with the node and both figures, no node is drained, and training never starts."""
     from tests.assets.test_on_node_configured import fake_device_tree
+    from training.config.hardware import DEFAULT_HARDWARE
     from training.config.recipe import load_recipe
     from training.pipeline import preflight
-    from training.train.memory import DEFAULT_HARDWARE, planned_gib_per_core
+    from training.train.memory import planned_gib_per_core
 
     monkeypatch.setenv("DEVICE_ROOT", str(fake_device_tree(tmp_path / "devices", neuron=16, efa=8)))
     monkeypatch.setenv("NEURON_MONITOR_STANDIN_CORE_GIB", "1:15.2")  # node 0: the stand-in's 1.0 GiB

@@ -15,6 +15,7 @@ import torch
 
 from tests.support.saved_tensors import saved_for_backward
 from tests.training.workers import worker_main
+from training.config.model import ModelConfig
 from training.model import parallel
 from training.model.transformer import Execution, build_model
 
@@ -23,7 +24,7 @@ def run_case(case: dict[str, Any], out: Path) -> None:
     parallel.initialize(case["tp"], "cpu")
     try:
         model = build_model(
-            case["config"],
+            ModelConfig.from_hf(case["config"]),
             seed=0,
             dtype=case["dtype"],
             kv_multiplier=case.get("kv_multiplier"),

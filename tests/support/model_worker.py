@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tests.training.workers import worker_main
+from training.config.model import IGNORE_INDEX, ModelConfig
 from training.config.recipe import OptimizerSection
 from training.model import parallel
 from training.model.transformer import Execution, build_model, gather_logits
@@ -37,12 +38,12 @@ def run_case(case: dict[str, Any], out: Path) -> None:
         }
         tp_rank, dp_rank = parallel.tp_rank(), parallel.dp_rank()
         rank_file = f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_00.pt"
-        model = build_model(config, seed=None, **options)
+        model = build_model(ModelConfig.from_hf(config), seed=None, **options)
         model.load_state_dict(torch.load(checkpoint / "model" / rank_file, weights_only=True), strict=True)
         loaded = {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
         ids = torch.tensor(case["batches"][dp_rank])
-        labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), parallel.IGNORE_INDEX)], dim=1)
+        labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), IGNORE_INDEX)], dim=1)
         output = model(ids, labels)
         output.loss.backward()
         parallel.sum_sequence_parallel_gradients(model.parameters())  # what the optimizer does first
@@ -53,7 +54,7 @@ def run_case(case: dict[str, Any], out: Path) -> None:
             from neuronx_distributed.parallel_layers.grads import get_grad_norm
 
             norm = float(get_grad_norm(list(model.parameters())))
-        seeded = build_model(config, seed=case.get("seed", 7), **options)
+        seeded = build_model(ModelConfig.from_hf(config), seed=case.get("seed", 7), **options)
         result = {
             "tp_rank": tp_rank,
             "dp_rank": dp_rank,

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from pydantic_core import PydanticCustomError
 
+from training.config.hardware import TRAINIUM1
 from training.config.loading import (
     ONE_LINE,
     Allowed,
@@ -36,13 +37,13 @@ from training.config.loading import (
     parse_yaml,
     read_mapping,
 )
+from training.config.model import ActivationCheckpointing
 from training.errors import UserError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "train" / "recipes"
 SCHEMA_FILE = RECIPES_DIR / "recipe.schema.json"
 Decay = Literal["linear", "cosine", "constant"]
 Precision = Literal["fp32", "bf16-mixed", "bf16-sr"]
-ActivationCheckpointing = Literal["none", "selective", "full"]
 FLASH_ATTENTION_BLOCK = 2048  # neuronx-distributed's NKI flash attention takes sequences in multiples of this
 BackendName = Literal["cpu", "neuron"]
 # As `prepare --seq-len` allows: far beyond any model's context; blocks are Arrow lists with 32-bit sizes.
@@ -377,7 +378,8 @@ class Recipe(StrictModel):
     seed: Seed = 42
     log_every: PositiveInt = 1
     peak_tflops_per_worker: PositiveFloat = Field(
-        95.0, description="hardware peak per worker process for the MFU estimate (NeuronCore-v2: 95 bf16)"
+        TRAINIUM1.peak_bf16_tflops_per_core,
+        description="hardware peak per worker process for the MFU estimate (NeuronCore-v2: 95 bf16)",
     )
     nodes: PositiveInt = Field(1, description="nodes of the training (and compile) job")
     prepare: PrepareSection | None = Field(None, description="how the pipeline makes the data; omit if it exists")

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from training.data.packing import IGNORE_INDEX, Example
+from training.config.model import IGNORE_INDEX
+from training.data.packing import Example
 from training.data.tokenization import LoadedTokenizer
 from training.errors import UserError
 

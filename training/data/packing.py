@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-IGNORE_INDEX = -100  # Hugging Face's label for "no loss on this token"
+from training.config.model import IGNORE_INDEX
 
 TokenArray = npt.NDArray[np.int32]
 

@@ -19,7 +19,8 @@ import numpy as np
 from training.data.block_writer import BlockWriter
 from training.data.chat import BadExample, ChatRenderer, validate_messages
 from training.data.mixing import MixSource, MixStats, check_mix, concatenate, mix
-from training.data.packing import IGNORE_INDEX, Example, PackStats, pack_examples
+from training.config.model import IGNORE_INDEX
+from training.data.packing import Example, PackStats, pack_examples
 from training.data.prepared import (
     batches,
     check_common,

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.config.model import IGNORE_INDEX
 from training.errors import UserError
 
 if TYPE_CHECKING:
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 
 Backend = Literal["cpu", "neuron"]
 BACKENDS: tuple[Backend, ...] = ("cpu", "neuron")
-IGNORE_INDEX = -100  # label of a position that has no target (prompt tokens, block padding)
 
 # Where the neuron backend finds each name (aws-neuron/neuronx-distributed src/neuronx_distributed/..., torch-xla).
 LAYERS = "neuronx_distributed.parallel_layers.layers"

@@ -13,77 +13,38 @@ Batches are packed blocks: causal attention over the whole sequence, positions 0
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.config.model import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
+from training.config.model import (
+    IGNORE_INDEX,
+    ActivationCheckpointing,
+    ModelConfig,
+    ModelSpec,
+    Parallelism,
+    Rope,
+    check_parallelism,
+    default_kv_multiplier,
+)
 from training.errors import UserError
 from training.formats.layouts import all_rules, hf_shapes
 from training.model import parallel
-from training.train.forecast import flops_per_token
 
 MoeDispatch = Literal["sparse", "dense", "capacity"]
-Checkpointing = Literal["none", "selective", "full"]
-ROPE_TYPES = ("default", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_ROPE_THETA = {"llama": 10000.0, "mixtral": 1e6}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-@dataclass(frozen=True)
-class Rope:
-    theta: float
-    type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The facts of a Hugging Face `config.json` the model needs, checked once."""
-
-    spec: ModelSpec
-    rms_norm_eps: float
-    rope: Rope
-    initializer_range: float
-    pad_token_id: int | None
-    experts_per_token: int
-    router_aux_loss_coef: float
-    output_router_logits: bool
-    sliding_window: int | None
-    dtype: torch.dtype
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any], dtype: torch.dtype | str | None = None) -> ModelConfig:
-        spec = ModelSpec.from_config(config)
-        if config.get("hidden_act", "silu") != "silu":
-            raise UserError(f"config.json: hidden_act {config['hidden_act']!r} is not supported; allowed: silu")
-        for flag in ("attention_bias", "mlp_bias"):
-            if config.get(flag):
-                raise UserError(f"config.json: {flag} true is not supported (the NxD layout has no biases)")
-        return cls(
-            spec=spec,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if spec.architecture == "llama" else 1e-5)),
-            rope=_rope(config, spec),
-            initializer_range=float(config.get("initializer_range", 0.02)),
-            pad_token_id=config.get("pad_token_id"),
-            experts_per_token=int(config.get("num_experts_per_tok", 2)),
-            router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
-            output_router_logits=bool(config.get("output_router_logits", False)),
-            sliding_window=config.get("sliding_window"),
-            dtype=_dtype(dtype if dtype is not None else config.get("dtype") or config.get("torch_dtype")),
-        )
-
-
-def _dtype(value: torch.dtype | str | None) -> torch.dtype:
+def parameter_dtype(value: torch.dtype | str | None) -> torch.dtype:
+    """The torch dtype of a name (the config's, or the caller's override); fp32 when none is given."""
     if value is None:
         return torch.float32
     if isinstance(value, torch.dtype):
@@ -91,27 +52,6 @@ def _dtype(value: torch.dtype | str | None) -> torch.dtype:
     if value not in DTYPES:
         raise UserError(f"dtype {value!r} is not supported; allowed: {', '.join(DTYPES)}")
     return DTYPES[value]
-
-
-def _rope(config: dict[str, Any], spec: ModelSpec) -> Rope:
-    """RoPE settings from transformers 5's `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
-    parameters = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise UserError(f"config.json: rope_type {kind!r} is not supported; allowed: {', '.join(ROPE_TYPES)}")
-    theta = float(parameters.get("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA[spec.architecture])))
-    if kind == "default":
-        return Rope(theta=theta)
-    return Rope(
-        theta=theta,
-        type=kind,
-        factor=float(parameters["factor"]),
-        low_freq_factor=float(parameters["low_freq_factor"]),
-        high_freq_factor=float(parameters["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            parameters.get("original_max_position_embeddings", config.get("max_position_embeddings", 8192))
-        ),
-    )
 
 
 @dataclass(frozen=True)
@@ -129,7 +69,7 @@ class Execution:
     """
 
     sequence_parallel: bool = False
-    activation_checkpointing: Checkpointing = "none"
+    activation_checkpointing: ActivationCheckpointing = "none"
     flash_attention: bool = False
 
 
@@ -246,7 +186,7 @@ class Attention(nn.Module):
             [spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim],
             bias=False,
             gather_output=False,
-            dtype=config.dtype,
+            dtype=parameter_dtype(config.dtype),
             sequence_parallel_enabled=execution.sequence_parallel,
             kv_size_multiplier=parallelism.kv_multiplier,
             fuse_qkv=parallelism.fuse_qkv,
@@ -260,7 +200,7 @@ class Attention(nn.Module):
             spec.hidden_size,
             bias=False,
             input_is_parallel=True,
-            dtype=config.dtype,
+            dtype=parameter_dtype(config.dtype),
             sequence_parallel_enabled=execution.sequence_parallel,
             sequence_dimension=0 if execution.sequence_parallel else None,
         )
@@ -311,7 +251,7 @@ class MLP(nn.Module):
             2 * i,
             bias=False,
             gather_output=False,
-            dtype=config.dtype,
+            dtype=parameter_dtype(config.dtype),
             stride=2,
             sequence_parallel_enabled=sequence_parallel,
             sequence_dimension=dimension,
@@ -322,7 +262,7 @@ class MLP(nn.Module):
             h,
             bias=False,
             input_is_parallel=True,
-            dtype=config.dtype,
+            dtype=parameter_dtype(config.dtype),
             sequence_parallel_enabled=sequence_parallel,
             sequence_dimension=dimension,
         )
@@ -352,8 +292,8 @@ class _ExpertWeights(nn.Module):
         super().__init__()
         e, h, part = config.spec.num_experts, config.spec.hidden_size, config.spec.intermediate_size // tp
         # [gate | up] columns of this rank: split on the last dimension in two interleaved parts (stride 2).
-        self.gate_up_proj = _Weight((e, h, 2 * part), config.dtype, dim=2, stride=2)
-        self.down_proj = _Weight((e, part, h), config.dtype, dim=1, stride=1)
+        self.gate_up_proj = _Weight((e, h, 2 * part), parameter_dtype(config.dtype), dim=2, stride=2)
+        self.down_proj = _Weight((e, part, h), parameter_dtype(config.dtype), dim=1, stride=1)
 
 
 class _ExpertMLPs(nn.Module):
@@ -366,7 +306,9 @@ class _Router(nn.Module):
     def __init__(self, config: ModelConfig, sequence_parallel: bool) -> None:
         super().__init__()
         spec = config.spec
-        self.linear_router = nn.Linear(spec.hidden_size, spec.num_experts, bias=False, dtype=config.dtype)
+        self.linear_router = nn.Linear(
+            spec.hidden_size, spec.num_experts, bias=False, dtype=parameter_dtype(config.dtype)
+        )
         if sequence_parallel:  # routes this rank's slice of the tokens only
             parallel.mark_sequence_parallel(self.linear_router.weight)
 
@@ -570,9 +512,11 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         h, eps, sequence_parallel = config.spec.hidden_size, config.rms_norm_eps, execution.sequence_parallel
-        self.input_layernorm = RMSNorm(h, eps, config.dtype, sequence_parallel=sequence_parallel)
+        self.input_layernorm = RMSNorm(h, eps, parameter_dtype(config.dtype), sequence_parallel=sequence_parallel)
         self.self_attn = Attention(config, parallelism, execution)
-        self.post_attention_layernorm = RMSNorm(h, eps, config.dtype, sequence_parallel=sequence_parallel)
+        self.post_attention_layernorm = RMSNorm(
+            h, eps, parameter_dtype(config.dtype), sequence_parallel=sequence_parallel
+        )
         self.mlp: nn.Module = (
             MoE(config, parallelism.tp, experts, execution)
             if config.spec.architecture == "mixtral"
@@ -609,7 +553,7 @@ class Decoder(nn.Module):
                 spec.vocab_size,
                 spec.hidden_size,
                 padding_idx=config.pad_token_id,
-                dtype=config.dtype,
+                dtype=parameter_dtype(config.dtype),
                 sequence_parallel_enabled=execution.sequence_parallel,
             )
         self.layers = nn.ModuleDict(
@@ -620,7 +564,10 @@ class Decoder(nn.Module):
         )
         if stage.last:
             self.norm = RMSNorm(
-                spec.hidden_size, config.rms_norm_eps, config.dtype, sequence_parallel=execution.sequence_parallel
+                spec.hidden_size,
+                config.rms_norm_eps,
+                parameter_dtype(config.dtype),
+                sequence_parallel=execution.sequence_parallel,
             )
         frequencies = inverse_frequencies(config.rope, spec.head_dim)
         self.rope_frequencies: torch.Tensor
@@ -677,7 +624,7 @@ class CausalLM(nn.Module):
                 spec.vocab_size,
                 bias=False,
                 gather_output=False,
-                dtype=config.dtype,
+                dtype=parameter_dtype(config.dtype),
                 sequence_parallel_enabled=execution.sequence_parallel,
                 sequence_dimension=0 if execution.sequence_parallel else None,
             )
@@ -692,6 +639,10 @@ class CausalLM(nn.Module):
     def spec(self) -> ModelSpec:
         return self.config.spec
 
+    @property
+    def parameter_dtype(self) -> torch.dtype:
+        return parameter_dtype(self.config.dtype)
+
     def tie_weights(self) -> None:
         """Head and embedding as one parameter when the config ties them (both are split on the vocabulary rows
         the same way, so each rank shares its shard)."""
@@ -699,7 +650,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
-        """`labels[t]` is the target of position t (already shifted); -100 marks positions without one."""
+        """`labels[t]` is the target of position t (already shifted); IGNORE_INDEX marks positions without one."""
         output = self.forward_stage(input_ids, labels)
         assert isinstance(output, CausalLMOutput), "forward() runs the whole model: use forward_stage per stage"
         return output
@@ -729,7 +680,7 @@ class CausalLM(nn.Module):
         loss = None
         if labels is not None:
             losses = parallel.parallel_cross_entropy(logits, labels)
-            loss = losses.sum() / (labels != parallel.IGNORE_INDEX).sum().clamp_min(1)
+            loss = losses.sum() / (labels != IGNORE_INDEX).sum().clamp_min(1)
             if aux_loss is not None:
                 loss = loss + aux_loss
         return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, dropped=self.dropped_choices())
@@ -746,7 +697,7 @@ def gather_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(
-    config: dict[str, Any],
+    config: ModelConfig,
     *,
     kv_multiplier: int | None = None,
     fuse_qkv: bool = False,
@@ -771,7 +722,10 @@ def build_model(
     router_aux_loss: add Mixtral's load-balancing loss (default: the config's `output_router_logits`).
     execution: sequence parallelism, activation checkpointing, flash attention (see `Execution`).
     """
-    model_config = ModelConfig.from_hf(config, dtype)
+    parameters = parameter_dtype(dtype if dtype is not None else config.dtype)
+    if parameters not in NAMES:
+        raise UserError(f"dtype {parameters} is not supported; allowed: {', '.join(DTYPES)}")
+    model_config = dataclasses.replace(config, dtype=NAMES[parameters])
     spec, tp, pp = model_config.spec, parallel.tp_size(), parallel.pp_size()
     multiplier = kv_multiplier or default_kv_multiplier(spec, tp)
     parallelism = Parallelism(tp=tp, pp=pp, kv_multiplier=multiplier, fuse_qkv=fuse_qkv)
@@ -812,7 +766,7 @@ def build_model(
 
 
 # The modules whose forward activation checkpointing runs again in backward, by setting.
-RECOMPUTED: dict[Checkpointing, tuple[type[nn.Module], ...]] = {
+RECOMPUTED: dict[ActivationCheckpointing, tuple[type[nn.Module], ...]] = {
     "selective": (CoreAttention, GatedActivation),
     "full": (DecoderLayer,),
 }
@@ -845,10 +799,3 @@ def initialize_weights(model: CausalLM, seed: int) -> None:
                 if padding is not None and rule.sources == ("model.embed_tokens.weight",):
                     sources[0][padding] = 0  # as transformers initialises nn.Embedding(padding_idx=...)
                 parameters[rule.target].copy_(rule.split(sources, rank))
-
-
-def model_flops_per_token(config: dict[str, Any], seq_len: int) -> float:
-    """Training FLOPs per token for MFU, of a config the model accepts (`training.train.forecast.flops_per_token`:
-    the same count forecasts the run's time before it starts)."""
-    ModelConfig.from_hf(config)
-    return flops_per_token(config, seq_len)

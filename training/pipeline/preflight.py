@@ -73,15 +73,14 @@ from pathlib import Path
 from typing import Any
 
 from training import outputs
+from training.config.hardware import DEFAULT_HARDWARE, Hardware
 from training.config.recipe import Recipe, load_recipe
 from training.config.site import Site
 from training.errors import UserError
 from training.monitoring import neuron as neuron_monitor
 from training.train.memory import (
-    DEFAULT_HARDWARE,
     GIB,
     REQUIRED_HEADROOM,
-    Hardware,
     model_config,
     parameters_per_core,
     planned_gib_per_core,
@@ -159,8 +158,7 @@ def checkpoint_bytes_per_node(recipe: Recipe, hardware: Hardware, processes_per_
     config = model_config(recipe)
     if config is None:
         return None
-    layout = dataclasses.replace(hardware, cores_per_node=processes_per_node)
-    workload = workload_of(recipe, config, layout)
+    workload = workload_of(recipe, config, hardware, processes_per_node)
     sizes = state_bytes_per_parameter(workload)
     per_rank = parameters_per_core(workload) * (sizes["weights"] + sizes["optimizer state"])
     return int(per_rank * processes_per_node)

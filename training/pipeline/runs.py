@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from training import outputs
+from training.config.hardware import DEFAULT_HARDWARE, HARDWARE, Hardware
 from training.config.loading import has_control_characters, not_allowed
 from training.config.precision import NEURON_ENVIRONMENT
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
@@ -44,7 +45,7 @@ from training.pipeline import timeline
 from training.pipeline.hub import complete_fetch
 from training.train.batches import BatchPlan
 from training.train.forecast import Forecast, budget_refusal, forecast_of
-from training.train.memory import DEFAULT_HARDWARE, HARDWARE, Hardware, model_config, refusal
+from training.train.memory import model_config, refusal
 from training.train.metrics import METRICS_FILE, read_metrics
 from training.train.watchdog import STOP_FILE, floor_line, late_compile_line, read_stop
 

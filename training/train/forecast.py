@@ -15,15 +15,15 @@ than Llama's dense layers lose, which puts a real run nearer the band's low end 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.config.model import ModelSpec
+from training.config.hardware import Hardware
+from training.config.model import ModelConfig, flops_per_token
 from training.config.recipe import Recipe
-from training.train.memory import KNOWN_MODELS_DIR, Hardware, model_config
+from training.train.memory import KNOWN_MODELS_DIR, model_config, read_model_config
 
 # Neuron's performance table (trn1.32xlarge, 32 nodes, TP 32, ZeRO-1, global batch 1024, sequence 8192).
 PUBLISHED_MODEL = "Llama-3.1-8B"  # model.config's directory name
@@ -60,25 +60,6 @@ EXPECTED: dict[tuple[str, int], Throughput] = {
 }
 
 
-def flops_per_token(config: dict[str, Any], seq_len: int) -> float:
-    """Training FLOPs per token for MFU: 6 x N_active + 12 x L x (heads x head_dim) x seq_len.
-
-    N_active counts the weights a token multiplies by: attention (q, k, v, o), the MLP (Mixtral: the router
-    and top-k of the E experts) and the LM head; not the embedding lookup or norms. The second term is
-    the attention scores and weighted sum (2 matmuls, 2 FLOPs per multiply-add, x3 for forward + backward)
-    over the full sequence, the causal half not discounted (the PaLM convention).
-    """
-    spec = ModelSpec.from_config(config)
-    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    attention = h * d * (2 * spec.num_heads + 2 * spec.num_kv_heads)
-    if spec.architecture == "mixtral":
-        mlp = h * spec.num_experts + int(config.get("num_experts_per_tok", 2)) * 3 * h * i
-    else:
-        mlp = 3 * h * i
-    active = spec.num_layers * (attention + mlp) + spec.vocab_size * h
-    return float(6 * active + 12 * spec.num_layers * spec.num_heads * d * seq_len)
-
-
 def mfu(seq_per_node: float, flops: float, seq_len: int, peak_tflops_per_core: float, cores: int) -> float:
     return flops * seq_per_node * seq_len / (peak_tflops_per_core * 1e12 * cores)
 
@@ -88,7 +69,7 @@ def seq_per_node_at(utilization: float, flops: float, seq_len: int, peak_tflops_
 
 
 def expected_throughput(
-    model: str, config: dict[str, Any], seq_len: int, peak_tflops_per_core: float, cores_per_node: int
+    model: str, config: ModelConfig, seq_len: int, peak_tflops_per_core: float, cores_per_node: int
 ) -> Throughput:
     """The published figure for `model` at `seq_len`, else one derived from its MFU band (module docstring)."""
     known = EXPECTED.get((model, seq_len))
@@ -114,9 +95,8 @@ def expected_throughput(
     return Throughput(at(PUBLISHED_SEQ_PER_NODE), at(low), at(high), source)
 
 
-def _published_config() -> dict[str, Any]:
-    config: dict[str, Any] = json.loads((KNOWN_MODELS_DIR / f"{PUBLISHED_MODEL}.json").read_text())
-    return config
+def _published_config() -> ModelConfig:
+    return read_model_config(KNOWN_MODELS_DIR / f"{PUBLISHED_MODEL}.json")
 
 
 @dataclass(frozen=True)
@@ -222,7 +202,7 @@ def forecast_of(
     hardware: Hardware,
     usd_per_hour: float | None = None,
     cost_basis: str = "the caller's cost per hour",
-    config: dict[str, Any] | None = None,
+    config: ModelConfig | None = None,
 ) -> Forecast | None:
     """The recipe's forecast on `hardware`; None for the CPU backend or a model whose config.json is unknown.
     `usd_per_hour`: the environment's cost while training, `cost_basis` what it includes (default: the nodes'

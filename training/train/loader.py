@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from training.config.loading import not_allowed
+from training.config.model import IGNORE_INDEX
 from training.errors import UserError
-from training.model.parallel import IGNORE_INDEX
 from training.outputs import MANIFEST
 
 # `prepare pretrain` writes one dataset, not a dictionary of splits: its blocks are the training split.
@@ -84,7 +84,7 @@ class TrainingData:
         return int(self._orders[epoch][position])
 
     def batch(self, samples: range) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [n, S] and targets [n, S]: targets[t] is the token to predict at t (-100: none)."""
+        """input_ids [n, S] and targets [n, S]: targets[t] is the token to predict at t (IGNORE_INDEX: none)."""
         rows = [self.row(index) for index in samples]
         columns = self.dataset[rows]
         input_ids = torch.from_numpy(np.asarray(columns["input_ids"], dtype=np.int64))

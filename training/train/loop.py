@@ -23,12 +23,20 @@ import torch
 import torch.distributed as dist
 
 from training.config.loading import not_allowed
-from training.config.model import ModelSpec, Parallelism, check_parallelism, default_kv_multiplier
+from training.config.model import (
+    ModelConfig,
+    ModelSpec,
+    Parallelism,
+    check_parallelism,
+    default_kv_multiplier,
+    flops_per_token,
+)
+from training.config.precision import PARAMETER_DTYPE
 from training.config.recipe import Recipe, recipe_as_dict
 from training.errors import UserError
 from training.formats.hf import copy_companions, read_config
 from training.model import parallel
-from training.model.transformer import CausalLM, Execution, build_model, model_flops_per_token
+from training.model.transformer import CausalLM, Execution, build_model
 from training.train import stages
 from training.train.batches import BatchPlan
 from training.train.checkpointing import (
@@ -41,7 +49,6 @@ from training.train.checkpointing import (
 from training.train.loader import TrainingData, check_data_kind
 from training.train.metrics import open_metrics
 from training.train.optimizer import TrainingOptimizer, neuron_trainer_options, zero1_where_it_shards
-from training.train.precision import PARAMETER_DTYPE
 from training.train.watchdog import (
     CHECKPOINT,
     COMPILE_STEPS,
@@ -110,19 +117,21 @@ def execution_of(recipe: Recipe) -> Execution:
     )
 
 
-def load_model_config(recipe: Recipe) -> tuple[dict[str, Any], Path]:
+def load_model_config(recipe: Recipe) -> tuple[ModelConfig, Path]:
+    """The run's model config, parsed once here (the builder, the FLOPs estimate and the checks take it), and
+    the config.json it was read from."""
     directory = Path(recipe.model.config)
     if not directory.is_dir():
         raise UserError(f"model.config {directory}: no such directory (a Hugging Face model with config.json)")
-    return read_config(directory, None)
+    config, path = read_config(directory, None)
+    return ModelConfig.from_hf(config, str(path)), path
 
 
 def train(options: TrainOptions) -> dict[str, Any]:
     """Runs the recipe on this process's rank; returns a summary (on every rank)."""
     recipe = options.recipe
     config, config_path = load_model_config(recipe)
-    spec = ModelSpec.from_config(config)
-    parallelism = check_model_fits(recipe, spec)
+    parallelism = check_model_fits(recipe, config.spec)
     if recipe.model.pretrained and not Path(recipe.model.pretrained).is_dir():
         raise UserError(f"model.pretrained {recipe.model.pretrained}: no such directory (a `convert --to nxd` output)")
     checkpoints = Path(recipe.checkpoint.dir)
@@ -177,7 +186,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
 
 def _run(
     options: TrainOptions,
-    config: dict[str, Any],
+    config: ModelConfig,
     config_path: Path,
     parallelism: Parallelism,
     plan: BatchPlan,
@@ -217,7 +226,7 @@ def _run(
         (checkpoint_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier process's stop, resubmitted since
         copy_companions(config_path.parent, config_path, checkpoint_dir)  # so `convert --from nxd` stands alone
     last = COMPILE_STEPS if options.compile_only else recipe.steps
-    flops_per_token = model_flops_per_token(config, recipe.batch.seq_len)
+    token_flops = flops_per_token(config, recipe.batch.seq_len)
     metrics = None
     if rank == 0:  # JSON lines, TensorBoard, CloudWatch (training.train.metrics)
         metrics = open_metrics(
@@ -312,7 +321,7 @@ def _run(
         if dropped_tensor is not None:
             record["moe_dropped"] = round(float(dropped_tensor), 6)  # fraction of the step's expert choices
         peak_flops = recipe.peak_tflops_per_worker * 1e12 * parallel.world_size()
-        record["mfu"] = round(flops_per_token * record["tokens_per_second"] / peak_flops, 6)
+        record["mfu"] = round(token_flops * record["tokens_per_second"] / peak_flops, 6)
         counters = graph_counters()
         record.update(counters)
         if rank == 0:

@@ -3,7 +3,7 @@
 Pure arithmetic, torch-free (it also runs at `cdk synth`). Per core, for one training step:
 
 - weights, gradients and optimizer state, from the parameters this core holds (exact per-rank counts, the
-  replicated K/V heads included) and the precision regime (`training.train.precision`):
+  replicated K/V heads included) and the precision regime (`training.config.precision`):
   bf16-mixed 2 + 4 + 16/DP bytes a parameter (bf16 weight, fp32 gradient accumulation, ZeRO-1 shard of the
   fp32 master weight, both AdamW moments and the reduce-scattered fp32 gradient); bf16-sr 2 + 2 + 8/DP;
   fp32 4 + 4 + 16/DP (without ZeRO-1 the moments alone, unsharded);
@@ -26,8 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from training.config.model import ModelSpec, default_kv_multiplier
-from training.config.recipe import ActivationCheckpointing, Precision, Recipe
+from training.config.hardware import DEFAULT_HARDWARE, Hardware
+from training.config.model import (
+    ActivationCheckpointing,
+    ModelConfig,
+    ModelSpec,
+    default_kv_multiplier,
+    layer_parameters,
+)
+from training.config.recipe import Precision, Recipe
 from training.errors import UserError
 
 GIB = 1024**3
@@ -35,31 +42,6 @@ RUNTIME_RESERVE_GIB = 2.0
 REQUIRED_HEADROOM = 0.10
 KNOWN_MODELS_DIR = Path(__file__).resolve().parent / "models"
 MoeDispatch = Literal["sparse", "dense", "capacity"]
-
-
-@dataclass(frozen=True)
-class Hardware:
-    name: str
-    cores_per_node: int  # training processes per node (one per NeuronCore)
-    hbm_gib_per_core: float
-    vcpus: int  # what ParallelCluster gives the Slurm node (EC2's DefaultVCpus): the jobs' --cpus-per-task
-    usd_per_hour: float  # on-demand list price, us-west-2 (stacks/instance_types.py's, which a test keeps equal)
-    neuron_devices: int = 0  # /dev/neuron* on a healthy node (stacks/instance_types.py's; the preflight counts them)
-    efa_devices: int = 0  # /sys/class/infiniband/* on a healthy node (likewise)
-    efa_gbps: int = 0  # EFA line rate (Neuron's Trn1/Trn1n architecture page); 0: no EFA, a single node
-
-
-# Trainium1: 16 chips x 2 NeuronCore-v2, 32 GiB HBM a chip (trn1.2xlarge: one chip).
-HARDWARE: dict[str, Hardware] = {
-    "trn1.32xlarge": Hardware(
-        "trn1.32xlarge", 32, 16.0, vcpus=128, usd_per_hour=21.50, neuron_devices=16, efa_devices=8, efa_gbps=800
-    ),
-    "trn1n.32xlarge": Hardware(
-        "trn1n.32xlarge", 32, 16.0, vcpus=128, usd_per_hour=24.78, neuron_devices=16, efa_devices=16, efa_gbps=1600
-    ),
-    "trn1.2xlarge": Hardware("trn1.2xlarge", 2, 16.0, vcpus=8, usd_per_hour=1.34375, neuron_devices=1),
-}
-DEFAULT_HARDWARE = HARDWARE["trn1.32xlarge"]
 
 
 @dataclass(frozen=True)
@@ -87,22 +69,16 @@ class Workload:
 # --- parameters and states -------------------------------------------------------------------------------
 
 
-def layer_parameters(w: Workload) -> int:
-    """Parameters of one decoder layer on one TP rank (the K/V heads as replicated)."""
-    s, t = w.spec, w.tp
-    h, d = s.hidden_size, s.head_dim
-    attention = 2 * h * s.num_heads * d // t + 2 * h * d * s.num_kv_heads * w.kv_multiplier // t
-    mlp = 3 * h * s.intermediate_size // t
-    if s.num_experts:
-        mlp = s.num_experts * mlp + h * s.num_experts  # experts, and the replicated router
-    return attention + mlp + 2 * h  # two norms
+def layer_parameters_per_core(w: Workload) -> int:
+    """Parameters of one decoder layer on one TP rank (the K/V heads as replicated, the router replicated)."""
+    return layer_parameters(w.spec, w.tp, w.kv_multiplier).total
 
 
 def parameters_per_core(w: Workload) -> int:
     """Parameters of the most loaded pipeline stage on one TP rank (embedding on the first stage; final norm
     and head on the last; all of them at PP 1)."""
     s = w.spec
-    layers = s.num_layers // w.pp * layer_parameters(w)
+    layers = s.num_layers // w.pp * layer_parameters_per_core(w)
     embedding = s.vocab_size * s.hidden_size // w.tp
     head = s.hidden_size + (0 if s.tie_word_embeddings and w.pp == 1 else embedding)
     return layers + embedding + head if w.pp == 1 else layers + max(embedding, head)
@@ -307,27 +283,33 @@ def cheapest_fix(w: Workload, recipe: Recipe, hardware: Hardware) -> Fix:
 # --- from a recipe ---------------------------------------------------------------------------------------
 
 
-def model_config(recipe: Recipe) -> dict[str, Any] | None:
-    """The recipe's config.json: its model.config directory if it is here, else a published model's facts
-    bundled by directory name (training/train/models/), else None (nothing to plan with)."""
+def model_config(recipe: Recipe) -> ModelConfig | None:
+    """The recipe's config.json, parsed: its model.config directory if it is here, else a published model's
+    facts bundled by directory name (training/train/models/), else None (nothing to plan with)."""
     for path in (
         Path(recipe.model.config) / "config.json",
         KNOWN_MODELS_DIR / f"{Path(recipe.model.config).name}.json",
     ):
         if path.is_file():
-            config: dict[str, Any] = json.loads(path.read_text())
-            return config
+            return read_model_config(path)
     return None
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    return ModelConfig.from_hf(json.loads(path.read_text()), str(path))
 
 
 def known_models() -> list[str]:
     return sorted(path.stem for path in KNOWN_MODELS_DIR.glob("*.json"))
 
 
-def workload_of(recipe: Recipe, config: dict[str, Any], hardware: Hardware) -> Workload:
-    spec = ModelSpec.from_config(config)
+def workload_of(
+    recipe: Recipe, config: ModelConfig, hardware: Hardware, processes_per_node: int | None = None
+) -> Workload:
+    """The recipe's step on `hardware`, one process a NeuronCore unless `processes_per_node` says otherwise."""
+    spec = config.spec
     tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
-    cores = recipe.nodes * hardware.cores_per_node
+    cores = recipe.nodes * (processes_per_node or hardware.cores_per_node)
     if cores % (tp * pp):
         raise UserError(
             f"parallelism.tp {tp} x parallelism.pp {pp} does not divide the {cores} NeuronCores of "
@@ -336,7 +318,7 @@ def workload_of(recipe: Recipe, config: dict[str, Any], hardware: Hardware) -> W
     dp = cores // (tp * pp)
     return Workload(
         spec=spec,
-        experts_per_token=int(config.get("num_experts_per_tok", 2)),
+        experts_per_token=config.experts_per_token,
         tp=tp,
         pp=pp,
         dp=dp,
@@ -365,9 +347,9 @@ def gib(value: float) -> float:
     return round(value / GIB, 2)
 
 
-def refusal(recipe: Recipe, hardware: Hardware, config: dict[str, Any] | None = None) -> str | None:
+def refusal(recipe: Recipe, hardware: Hardware, config: ModelConfig | None = None) -> str | None:
     """One line when the recipe does not fit (None when it does, or when its model's config is unknown).
-    `config`: the model's config.json when the caller has read it already (default: `model_config`)."""
+    `config`: the model's config when the caller has read it already (default: `model_config`)."""
     config = config or model_config(recipe)
     if config is None:
         return None

@@ -23,7 +23,7 @@ from training.errors import UserError
 from training.formats.layouts import replicated_targets
 from training.model import parallel
 from training.model.transformer import CausalLM
-from training.train.precision import MasterWeights, StochasticRoundingAdamW
+from training.train.cpu_precision import MasterWeights, StochasticRoundingAdamW
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Schedule:
 class TrainingOptimizer:
     """One optimizer step from the accumulated gradients: sequence-parallel sums, DP average, clip, update.
 
-    `precision` picks the regime (`training.train.precision`): on CPU, bf16-mixed updates fp32 master copies
+    `precision` picks the regime (`training.config.precision`): on CPU, bf16-mixed updates fp32 master copies
     and bf16-sr a stochastically rounding AdamW; on Neuron, NxD's optimizer does either from its configuration.
     """
 

@@ -48,7 +48,7 @@ def carry_shape(model: CausalLM, micro: int, seq_len: int) -> CarryShape:
     h, tp = model.spec.hidden_size, model.parallelism.tp
     hidden = (seq_len // tp, micro, h) if model.execution.sequence_parallel else (micro, seq_len, h)
     experts = model.spec.num_experts if model.router_aux_loss else 0
-    return CarryShape(hidden, model.config.dtype, experts)
+    return CarryShape(hidden, model.parameter_dtype, experts)
 
 
 def flat(carry: StageCarry) -> list[torch.Tensor]:

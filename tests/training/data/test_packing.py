@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from training.data.packing import IGNORE_INDEX, BlockPacker, Example, PackStats, concatenate_documents, pack_examples
+from training.config.model import IGNORE_INDEX
+from training.data.packing import BlockPacker, Example, PackStats, concatenate_documents, pack_examples
 
 
 def test_documents_are_framed_with_bos_and_eos() -> None:

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from tests.training.conftest import sample_documents, write_jsonl
 from training.cli import main
+from training.config.model import IGNORE_INDEX
 from training.config.recipe import load_recipe
 from training.data.mixing import MixSource, mix
 from training.data.prepared import data_sha256
@@ -215,7 +216,7 @@ def test_sft_mixes_chat_sets_by_token_share_with_each_validation_set_whole(
     validation = manifest["splits"]["validation"]
     assert [s["examples"] for s in validation["sources"]] == [4, 3] and validation["examples"] == 7
     trained = column(tmp_path / "one", "labels", "train")
-    assert np.count_nonzero(trained != -100) == manifest["splits"]["train"]["trained_tokens"]
+    assert np.count_nonzero(trained != IGNORE_INDEX) == manifest["splits"]["train"]["trained_tokens"]
 
 
 def test_sft_mix_of_one_is_the_single_source_path(

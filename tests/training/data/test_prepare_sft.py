@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from tests.training.conftest import BOS, END_OF_TURN, EOS, train_tokenizer, write_jsonl
 from training.cli import main
-from training.data.packing import IGNORE_INDEX
+from training.config.model import IGNORE_INDEX
 from training.data.sft import SftOptions, prepare_sft
 from training.errors import UserError
 

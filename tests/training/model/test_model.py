@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tests.training.tiny_models import LLAMA3_ROPE_SCALING, llama, mixtral
 from tests.training.workers import LOCAL, run_workers
+from training.config.model import IGNORE_INDEX, ModelConfig, flops_per_token
 from training.errors import UserError
 from training.formats.convert import ConvertOptions, convert
 from training.formats.layouts import ModelSpec, Parallelism, all_rules, default_kv_multiplier, hf_shapes
@@ -31,7 +32,6 @@ from training.model.transformer import (
     Execution,
     build_model,
     initial_tensor,
-    model_flops_per_token,
     queue_positions,
 )
 
@@ -68,7 +68,7 @@ def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 def shifted(ids: torch.Tensor) -> torch.Tensor:
     """Labels aligned with positions: the target of position t is token t + 1; the last has none."""
-    return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), parallel.IGNORE_INDEX)], dim=1)
+    return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), IGNORE_INDEX)], dim=1)
 
 
 def checkpoint_named(model: PreTrainedModel, values: Callable[[torch.nn.Parameter], torch.Tensor]) -> dict[str, Any]:
@@ -164,7 +164,7 @@ def test_tp1_logits_and_losses_equal_transformers(case: str, tmp_path: Path, sin
     make, options = TP1_CASES[case]
     source = make(tmp_path / "hf")
     nxd = to_nxd(source, tmp_path / "nxd", tp=1, fuse_qkv=options.get("fuse_qkv", False))
-    model = build_model(config_of(source), seed=None, **options)
+    model = build_model(ModelConfig.from_hf(config_of(source)), seed=None, **options)
     model.load_state_dict(rank_file(nxd, 0), strict=True)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     output = model(ids, shifted(ids))
@@ -182,7 +182,7 @@ def test_llama3_rope_frequencies_are_transformers_and_matter(tmp_path: Path, sin
     """The scaled model's frequencies are transformers' bit for bit, and differ from unscaled ones in both bands."""
     scaled = AutoModelForCausalLM.from_pretrained(llama(tmp_path / "scaled", rope_scaling=LLAMA3_ROPE_SCALING))
     plain = AutoModelForCausalLM.from_pretrained(llama(tmp_path / "plain"))
-    ours = build_model(config_of(tmp_path / "scaled"), seed=None).model.rope_frequencies
+    ours = build_model(ModelConfig.from_hf(config_of(tmp_path / "scaled")), seed=None).model.rope_frequencies
     assert torch.equal(ours, scaled.model.rotary_emb.inv_freq)
     assert (ours != plain.model.rotary_emb.inv_freq).all(), "both frequencies of the tiny model must be rescaled"
 
@@ -190,7 +190,7 @@ def test_llama3_rope_frequencies_are_transformers_and_matter(tmp_path: Path, sin
 def test_tp1_state_dict_is_the_rank_file_and_writes_back(tmp_path: Path, single_process: None) -> None:
     source = mixtral(tmp_path / "hf", layers=2)
     nxd = to_nxd(source, tmp_path / "nxd", tp=1)
-    model = build_model(config_of(source), seed=None)
+    model = build_model(ModelConfig.from_hf(config_of(source)), seed=None)
     model.load_state_dict(rank_file(nxd, 0), strict=True)
     assert_identical(model.state_dict(), rank_file(nxd, 0))
     written = write_nxd(tmp_path / "written", source, [model.state_dict()])
@@ -201,10 +201,10 @@ def test_tp1_state_dict_is_the_rank_file_and_writes_back(tmp_path: Path, single_
 def test_bf16_parameters_follow_the_config(tmp_path: Path, single_process: None) -> None:
     source = llama(tmp_path / "hf", dtype=torch.bfloat16)
     config = config_of(source) | {"dtype": "bfloat16"}
-    model = build_model(config, seed=None)
+    model = build_model(ModelConfig.from_hf(config), seed=None)
     model.load_state_dict(rank_file(to_nxd(source, tmp_path / "nxd", tp=1), 0), strict=True)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert build_model(config, dtype=torch.float32).model.norm.weight.dtype == torch.float32
+    assert build_model(ModelConfig.from_hf(config), dtype=torch.float32).model.norm.weight.dtype == torch.float32
     ids = torch.tensor([[1, 2, 3, 4]])
     output = model(ids, shifted(ids))
     assert output.logits.dtype == torch.float32 and torch.isfinite(output.loss)
@@ -213,9 +213,11 @@ def test_bf16_parameters_follow_the_config(tmp_path: Path, single_process: None)
 def test_unsupported_config_is_one_clear_error(tmp_path: Path, single_process: None) -> None:
     config = config_of(llama(tmp_path / "hf"))
     with pytest.raises(UserError, match=r"rope_type 'yarn' is not supported; allowed: default, llama3"):
-        build_model(config | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}})
+        build_model(
+            ModelConfig.from_hf(config | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}})
+        )
     with pytest.raises(UserError, match=r"--kv-size-multiplier 3"):
-        build_model(config, kv_multiplier=3)
+        build_model(ModelConfig.from_hf(config), kv_multiplier=3)
 
 
 def test_a_tp_degree_the_processes_cannot_hold_is_one_clear_error() -> None:
@@ -236,7 +238,7 @@ def test_flops_count_the_weights_a_token_multiplies(tmp_path: Path) -> None:
         idle_experts = layers * (spec.num_experts - 2) * 3 * h * i if spec.num_experts else 0
         active = total - v * h - layers * 2 * h - h - idle_experts  # no embedding lookup, no norms
         attention = 12 * layers * spec.num_heads * spec.head_dim * 128
-        assert model_flops_per_token(config, 128) == 6 * active + attention
+        assert flops_per_token(ModelConfig.from_hf(config), 128) == 6 * active + attention
 
 
 # --- TP 2 and 4: one torchrun of 4 processes --------------------------------------------------------------
@@ -459,7 +461,9 @@ def test_router_runs_in_fp32_in_a_bf16_model(tmp_path: Path, single_process: Non
     """As neuronx-distributed's router: logits, softmax and top-k in fp32 whatever the model's dtype, so
     bf16 rounding never flips a near-tie between experts; the capacity dispatch runs without any cumsum."""
     config = config_of(mixtral(tmp_path / "hf", layers=1))
-    model = build_model(config, seed=3, dtype=torch.bfloat16, capacity_factor=1.0, router_aux_loss=True)
+    model = build_model(
+        ModelConfig.from_hf(config), seed=3, dtype=torch.bfloat16, capacity_factor=1.0, router_aux_loss=True
+    )
     moe = model.model.layers["0"].mlp
     x = torch.randn(40, config["hidden_size"], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     with TorchCalls() as calls:
@@ -475,7 +479,7 @@ def test_capacity_dispatch_keeps_each_experts_first_tokens(
     capacity_factor: float, tmp_path: Path, single_process: None
 ) -> None:
     config = config_of(mixtral(tmp_path / "hf", layers=1))
-    model = build_model(config, seed=3, capacity_factor=capacity_factor, router_aux_loss=True)
+    model = build_model(ModelConfig.from_hf(config), seed=3, capacity_factor=capacity_factor, router_aux_loss=True)
     moe = model.model.layers["0"].mlp
     x = torch.randn(40, config["hidden_size"], generator=torch.Generator().manual_seed(0))
     output, _ = moe(x)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from training.config.model import ModelConfig
 from training.model import parallel
 from training.model.transformer import Execution, build_model
 
@@ -56,7 +57,7 @@ def single_process() -> Iterator[None]:
 
 def backward_counts(checkpointing: str, flash: bool) -> Counter[str]:
     execution = Execution(activation_checkpointing=checkpointing, flash_attention=flash)  # type: ignore[arg-type]
-    model = build_model(CONFIG, seed=0, execution=execution)
+    model = build_model(ModelConfig.from_hf(CONFIG), seed=0, execution=execution)
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
     loss = model(ids, ids).loss
     assert loss is not None

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 from training.errors import UserError
 from training.pipeline import preflight
 from training.pipeline.runs import STAGES, Stage, stages_to_submit
-from training.train.memory import HARDWARE
 
 STANDIN = Path(__file__).resolve().parents[1] / "support" / "neuron_tools" / "nccom-test"
 

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.training.tiny_models import llama
 from training.cli import main
+from training.config.model import ModelConfig
 from training.config.recipe import OptimizerSection, ScheduleSection
 from training.errors import UserError
 from training.formats.convert import ConvertOptions, convert
@@ -676,13 +677,13 @@ def single_process() -> Iterator[None]:
 
 
 def trainer(config: dict[str, Any]) -> tuple[Any, TrainingOptimizer]:
-    model = build_model(config, seed=0)
+    model = build_model(ModelConfig.from_hf(config), seed=0)
     return model, TrainingOptimizer(model, OptimizerSection(lr=1e-3), ScheduleSection(), 4)
 
 
 def resume(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     """What the training loop does on --resume: weights, then the optimizer built on them, then its state."""
-    model = build_model(config, seed=1)
+    model = build_model(ModelConfig.from_hf(config), seed=1)
     load_weights(directory, 1, model)
     return load_training_state(directory, 1, TrainingOptimizer(model, OptimizerSection(lr=1e-3), ScheduleSection(), 4))
 

@@ -21,10 +21,10 @@ import pytest
 from tests.conftest import ROOT
 from tests.training.workers import LOCAL, run_workers
 from training.cli import main
-from training.config.model import ModelSpec, default_kv_multiplier
+from training.config.hardware import DEFAULT_HARDWARE
+from training.config.model import ModelConfig, ModelSpec, default_kv_multiplier
 from training.config.recipe import load_recipe
 from training.train.memory import (
-    DEFAULT_HARDWARE,
     GIB,
     KNOWN_MODELS_DIR,
     REQUIRED_HEADROOM,
@@ -61,10 +61,11 @@ CAPACITY_FACTOR = 1.25  # drops some choices of the tiny model's skewed router
 
 def workload(case: dict[str, Any]) -> Workload:
     config, execution = case["config"], case.get("execution", {})
-    spec = ModelSpec.from_config(config)
+    model = ModelConfig.from_hf(config)
+    spec = model.spec
     return Workload(
         spec=spec,
-        experts_per_token=int(config.get("num_experts_per_tok", 2)),
+        experts_per_token=model.experts_per_token,
         tp=case["tp"],
         kv_multiplier=case.get("kv_multiplier") or default_kv_multiplier(spec, case["tp"]),
         sequence_parallel=execution.get("sequence_parallel", False),
@@ -219,7 +220,7 @@ def test_the_first_two_recipes_as_they_stood_are_refused(recipe: str, overrides:
     assert not result.fits and result.total > 25 * GIB  # REFERENCE.md: about 26.6 and 35.2 GiB
 
 
-def model_config_of(recipe: str) -> dict[str, Any]:
+def model_config_of(recipe: str) -> ModelConfig:
     config = model_config(load_recipe(recipe))
     assert config is not None, "the bundled recipes' models are known to the planner"
     return config

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from tests.training.tiny_models import llama
+from training.config.model import ModelConfig
+from training.config.precision import PARAMETER_DTYPE
 from training.config.recipe import OptimizerSection, Precision, ScheduleSection
 from training.model import parallel
 from training.model.transformer import build_model
+from training.train.cpu_precision import StochasticRoundingAdamW, stochastic_round
 from training.train.optimizer import TrainingOptimizer
-from training.train.precision import PARAMETER_DTYPE, StochasticRoundingAdamW, stochastic_round
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ EXPECTED = {
 @pytest.mark.parametrize("precision", list(EXPECTED))
 def test_every_tensor_has_the_regimes_dtype(precision: Precision, tmp_path: Path, single_process: None) -> None:
     config = json.loads((llama(tmp_path / "hf") / "config.json").read_text())
-    model = build_model(config, seed=0, dtype=PARAMETER_DTYPE[precision])
+    model = build_model(ModelConfig.from_hf(config), seed=0, dtype=PARAMETER_DTYPE[precision])
     optimizer = TrainingOptimizer(model, OptimizerSection(lr=1e-2), ScheduleSection(), 10, precision=precision)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     backward_twice(model)
@@ -68,7 +70,7 @@ def test_every_tensor_has_the_regimes_dtype(precision: Precision, tmp_path: Path
 def test_mixed_accumulates_micro_batch_gradients_in_fp32(tmp_path: Path, single_process: None) -> None:
     """The fp32 sum of each micro batch's bf16 gradient, not a bf16 running sum (which rounds every add)."""
     config = json.loads((llama(tmp_path / "hf") / "config.json").read_text())
-    model = build_model(config, seed=0, dtype=torch.bfloat16)
+    model = build_model(ModelConfig.from_hf(config), seed=0, dtype=torch.bfloat16)
     singles = []
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 64, (2, 8), generator=generator) for _ in range(2)]

@@ -20,6 +20,7 @@ from torch import nn
 from tests.support.random_values import random_values
 from tests.training.conftest import world_overrides
 from tests.training.tiny_models import llama, mixtral
+from training.config.model import ModelConfig
 from training.config.recipe import load_recipe
 from training.errors import UserError
 from training.formats.convert import ConvertOptions, convert
@@ -109,9 +110,9 @@ def test_a_model_built_for_loading_makes_no_random_values_and_loads_as_an_initia
     )
     config, config_path = read_config(source, None)
     with random_values() as fresh:
-        initialised = build_model(config, seed=0, **options)
+        initialised = build_model(ModelConfig.from_hf(config), seed=0, **options)
     with random_values() as loading:
-        built = build_model(config, seed=None, **options)
+        built = build_model(ModelConfig.from_hf(config), seed=None, **options)
     # The fresh path draws every parameter at least once (the layers' own draws, then `initialize_weights`).
     assert fresh.operations and fresh.bytes > parameter_bytes(initialised)
     assert loading.operations == [] and loading.bytes == 0

@@ -1,13 +1,6 @@
-"""The two bf16 training regimes of the source documents, on both backends.
-
-- `bf16-mixed` (the first document, NxD's "standard mixed precision"): bf16 weights for forward and backward,
-  gradients accumulated in fp32, and an fp32 master copy of every weight with fp32 AdamW state, sharded over
-  the data-parallel ranks by ZeRO-1. On Neuron NxD's ZeRO-1 optimizer keeps them (`mixed_precision_config`);
-  on CPU `MasterWeights` does.
-- `bf16-sr` (the second document's fork): weights, gradients and AdamW state all bf16, every rounding to bf16
-  stochastic so small updates survive on average. On Neuron the runtime rounds
-  (`NEURON_RT_STOCHASTIC_ROUNDING_EN=1`); on CPU `StochasticRoundingAdamW` does.
-- `fp32`: everything fp32 (CPU tests and the demo).
+"""The CPU backend's bf16 regimes (`training.config.precision` says what each regime is): an AdamW that rounds
+stochastically to bf16 (bf16-sr) and fp32 master copies of bf16 weights (bf16-mixed). On Neuron the runtime
+and neuronx-distributed's optimizer do both.
 """
 
 from __future__ import annotations
@@ -18,14 +11,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from training.config.recipe import Precision
-
-PARAMETER_DTYPE: dict[Precision, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16-mixed": torch.bfloat16,
-    "bf16-sr": torch.bfloat16,
-}
 
 
 def stochastic_round(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
