@@ -87,6 +87,17 @@ def add_group(
     ).add_subparsers(dest=dest, required=True, metavar=dest.upper())
 
 
+def add_recipe_arguments(parser: argparse.ArgumentParser, override_example: str) -> None:
+    """`--recipe` and the KEY=VALUE overrides after it (train, plan, submit)."""
+    parser.add_argument("--recipe", required=True, help=RECIPE_HELP)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=f"recipe overrides, e.g. {override_example}")
+
+
+def add_site_argument(parser: argparse.ArgumentParser) -> None:
+    """`--site FILE`, defaulting to $TRAINING_SITE (see `site_file`)."""
+    parser.add_argument("--site", type=Path, metavar="FILE", help=SITE_HELP)
+
+
 def site_file(given: Path | None, environ: Mapping[str, str] = os.environ) -> Path | None:
     """--site, else $TRAINING_SITE, else None (the local defaults)."""
     if given is not None:

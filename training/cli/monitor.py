@@ -4,9 +4,8 @@ region)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from training.cli.common import SITE_HELP, Subcommands, add_command, add_group, site_file
+from training.cli.common import Subcommands, add_command, add_group, add_site_argument, site_file
 from training.monitoring.neuron import NEURON_MONITOR
 
 EXAMPLES = {
@@ -41,7 +40,7 @@ def add_arguments(commands: Subcommands, prog: str) -> None:
         run,
     )
     for command in (cluster, neuron):
-        command.add_argument("--site", type=Path, metavar="FILE", help=SITE_HELP)
+        add_site_argument(command)
         command.add_argument(
             "--dry-run", action="store_true", help="print the PutMetricData requests as JSON lines, send nothing"
         )

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from training.cli.common import RECIPE_HELP, SITE_HELP, Subcommands, add_command, site_file
+from training.cli.common import Subcommands, add_command, add_recipe_arguments, add_site_argument, site_file
 
 EXAMPLES = {
     "submit": "{prog} submit --recipe llama31-8b-cpt --site /fsx/pipeline/site-default.yaml steps=100",
@@ -23,10 +22,9 @@ def add_arguments(commands: Subcommands, prog: str) -> None:
         EXAMPLES["submit"],
         run_submit,
     )
-    submit.add_argument("--recipe", required=True, help=RECIPE_HELP)
-    submit.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. steps=100")
+    add_recipe_arguments(submit, "steps=100")
     submit.add_argument("--run-id", help="name of the run (default: <recipe>-<UTC time>); an existing run resumes")
-    submit.add_argument("--site", type=Path, metavar="FILE", help=SITE_HELP)
+    add_site_argument(submit)
     submit.add_argument("--dry-run", action="store_true", help="print the job scripts and the graph, submit nothing")
 
     status = add_command(
@@ -38,10 +36,10 @@ def add_arguments(commands: Subcommands, prog: str) -> None:
         run_status,
     )
     status.add_argument("--run-id", help="the run (default: the newest)")
-    status.add_argument("--site", type=Path, metavar="FILE", help=SITE_HELP)
+    add_site_argument(status)
     cancel = add_command(commands, "cancel", "cancel every job of a run", prog, EXAMPLES["cancel"], run_cancel)
     cancel.add_argument("--run-id", required=True, help="the run")
-    cancel.add_argument("--site", type=Path, metavar="FILE", help=SITE_HELP)
+    add_site_argument(cancel)
 
 
 def run_submit(arguments: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from training.cli.common import RECIPE_HELP, Subcommands, add_command
+from training.cli.common import Subcommands, add_command, add_recipe_arguments
 
 EXAMPLES = {
     "train": "torchrun --nproc_per_node 32 -m training train --recipe llama31-8b-cpt --resume",
@@ -24,8 +24,7 @@ def add_arguments(commands: Subcommands, prog: str) -> None:
         EXAMPLES["train"],
         run_train,
     )
-    train.add_argument("--recipe", required=True, help=RECIPE_HELP)
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. batch.micro=2")
+    add_recipe_arguments(train, "batch.micro=2")
     train.add_argument(
         "--resume",
         action="store_true",
@@ -45,8 +44,7 @@ def add_arguments(commands: Subcommands, prog: str) -> None:
         EXAMPLES["plan"],
         run_plan,
     )
-    plan.add_argument("--recipe", required=True, help=RECIPE_HELP)
-    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. nodes=8")
+    add_recipe_arguments(plan, "nodes=8")
     plan.add_argument(
         "--instance-type",
         default="trn1.32xlarge",
