@@ -9,7 +9,6 @@ in. The README's cost table is this command's output for the default environment
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from stacks.instance_types import (
 from stacks.monitoring import ALARM_METRICS
 from training.config.hardware import HARDWARE
 from training.config.recipe import Recipe, load_recipe
-from training.errors import UserError, report
+from training.errors import ArgumentParser, guarded
 from training.monitoring.cluster import ALWAYS_SENT_JOB_STATES, NODE_STATES
 from training.monitoring.neuron import METRICS_PER_REPORT
 from training.pipeline.runs import STAGES
@@ -216,19 +215,21 @@ def money(usd_per_hour: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stacks.cost", description=__doc__.splitlines()[0])
+    """Exit status: 0 printed, 2 user error (argparse's own included)."""
+    parser = ArgumentParser(prog="python -m stacks.cost", description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="default", help="environment name (environments/NAME.yaml)")
     arguments = parser.parse_args(argv)
-    try:
+
+    def run() -> int:
         config = load_environment(arguments.env)
-    except UserError as error:
-        report(error)
-        return 2
-    print(render_table(config), end="")
-    idle = idle_usd_per_hour(config)
-    verdict = "within" if idle <= IDLE_TARGET_USD_PER_HOUR else "ABOVE"
-    print(f"\nIdle: ${idle:.2f}/h, {verdict} the ${IDLE_TARGET_USD_PER_HOUR:.2f}/h target for an unused environment.")
-    return 0
+        print(render_table(config), end="")
+        idle = idle_usd_per_hour(config)
+        verdict = "within" if idle <= IDLE_TARGET_USD_PER_HOUR else "ABOVE"
+        target = f"${IDLE_TARGET_USD_PER_HOUR:.2f}/h target for an unused environment"
+        print(f"\nIdle: ${idle:.2f}/h, {verdict} the {target}.")
+        return 0
+
+    return guarded(run, status=2)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,16 @@
-"""The one exception type for mistakes a user can fix; the CLI prints it as `error:` lines, no traceback."""
+"""The one exception type for mistakes a user can fix, and the one guard every entry point (the CLI, `app.py`,
+the cost command, the local Slurm, the demo) prints them through: `error:` lines on stderr, no traceback.
+
+Torch-free and CDK-free: the infrastructure side imports it too.
+"""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 
 class UserError(Exception):
@@ -44,3 +51,36 @@ def os_error(error: OSError) -> UserError:
 def decode_error(error: UnicodeDecodeError) -> UserError:
     """Text input that is not UTF-8, where no reader named the file itself."""
     return UserError(f"input is not UTF-8 text ({error.reason} at byte {error.start}); allowed: UTF-8 files")
+
+
+def user_error(error: BaseException) -> UserError | None:
+    """What a user can fix, as a UserError: the error itself, an operating-system refusal or undecodable text
+    (the configuration's validation errors are UserErrors); None for anything else (a bug)."""
+    if isinstance(error, UserError):
+        return error
+    if isinstance(error, OSError):
+        return os_error(error)
+    if isinstance(error, UnicodeDecodeError):
+        return decode_error(error)
+    return None
+
+
+def guarded(run: Callable[[], int], status: int) -> int:
+    """The user-error guard of every entry point: run()'s exit status; on a user's mistake its `error:` lines and
+    `status` instead. Anything else keeps its traceback."""
+    try:
+        return run()
+    except (UserError, OSError, UnicodeDecodeError) as error:
+        found = user_error(error)
+        assert found is not None
+        report(found)
+        return status
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's complaints as the other user errors: one `error:` line saying where help is, exit status 2
+    (argparse's own); the subcommands' parsers are built from the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        report(UserError(f"{message} (see {self.prog} --help)"))
+        sys.exit(2)

@@ -505,6 +505,15 @@ def test_app_rejects_bad_environment_without_traceback_or_output(tmp_path: Path)
     assert not any((tmp_path / "out").iterdir())
 
 
+def test_app_names_an_unknown_environment_in_one_line(tmp_path: Path) -> None:
+    """The CDK entry point through the entry points' user-error guard: one line, exit status 1, no output."""
+    result = run_app("zz-no-such-environment", tmp_path / "out")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: environments/zz-no-such-environment.yaml: no such environment file; ")
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert not any((tmp_path / "out").iterdir())
+
+
 def test_synth_refuses_a_run_forecast_above_the_budget_in_one_line(tmp_path: Path) -> None:
     """`cdk synth` of an environment whose deploy would start the 10,000-step Llama run on a $1,000 budget."""
     over = ENVIRONMENTS_DIR / "zz-over-budget-under-test.yaml"

@@ -85,4 +85,12 @@ def test_the_command_prints_the_table_and_the_verdict(capsys: pytest.CaptureFixt
     assert out.startswith(render_table(load_environment("default", ENVIRONMENTS_DIR)))
     assert "Idle: $0.66/h, within the $0.75/h target" in out
     assert main(["--env", "missing"]) == 2
-    assert "environments/missing.yaml: no such environment file" in capsys.readouterr().err
+    lines = capsys.readouterr().err.splitlines()  # one line through the entry points' user-error guard
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "environments/missing.yaml: no such environment file" in lines[0]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--environment", "default"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: unrecognized arguments: --environment default (see python -m stacks.cost --help)\n"
+    )

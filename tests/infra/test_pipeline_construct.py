@@ -200,7 +200,7 @@ def test_shipped_source_is_exactly_the_tracked_package_templates_and_metadata() 
     assert set(shipped) == expected
     assert not [path for path in shipped if is_developer_only(path)]
     assert {path.parts[0] for path in shipped} == set(SOURCE_PARTS)
-    for key in ("training/cli.py", "training/train/loop.py", "training/train/recipes/llama31-8b-cpt.yaml"):
+    for key in ("training/cli/__init__.py", "training/train/loop.py", "training/train/recipes/llama31-8b-cpt.yaml"):
         assert Path(key) in shipped
     assert Path("assets/slurm/distributed.sbatch.j2") in shipped and Path("pyproject.toml") in shipped
     assert source_hash() == source_hash() and len(source_hash()) == 64
@@ -234,7 +234,7 @@ def test_node_files_upload_is_the_bootstrap_the_lock_and_the_node_settings(defau
 def test_exclude_patterns_select_the_same_files_for_cdk_and_the_source_hash(tmp_path: Path) -> None:
     """On a tree with every kind of file that must not ship, CDK's staging and `source_files` agree."""
     tree = tmp_path / "tree"
-    shipped = ["assets/slurm/single.sbatch.j2", "pyproject.toml", "training/cli.py", "training/train/x.yaml"]
+    shipped = ["assets/slurm/single.sbatch.j2", "pyproject.toml", "training/cli/__init__.py", "training/train/x.yaml"]
     kept_back = [
         ".gitignore",
         ".venv/.installed",

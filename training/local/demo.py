@@ -7,7 +7,6 @@ cluster uses, waits, prints a summary and stops the daemons it started.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 from training.config.site import Site
-from training.errors import UserError, report
+from training.errors import ArgumentParser, guarded
 from training.local.tiny import make_tiny_sources
 from training.logs import setup_logging
 from training.pipeline import runs
@@ -57,38 +56,40 @@ def summarize(run_dir: Path, results: Path, seconds: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Exit status: 0 every stage of both runs completed, 1 a run failed, 2 user error (argparse's own included)."""
+    parser = ArgumentParser(prog="python -m training.local.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=3, help="local Slurm nodes (default 3)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for the runs")
     parser.add_argument("--keep-slurm", action="store_true", help="leave the local Slurm running afterwards")
     arguments = parser.parse_args(argv)
+    return guarded(lambda: run(arguments.nodes, arguments.timeout, keep_slurm=arguments.keep_slurm), status=2)
+
+
+def run(nodes: int, timeout: float, keep_slurm: bool) -> int:
+    """Both runs on a local Slurm of `nodes` nodes, each given `timeout` seconds."""
     from training.local.slurm import start
 
+    setup_logging()
+    for architecture, root in RECIPES.values():
+        log.info(f"making {root}: tokenizer, random {architecture} model, data source")
+        make_tiny_sources(Path(root), architecture)
+    slurm = start(Path(".local-slurm"), nodes=nodes)
+    # Slurm by its prefix, as on ParallelCluster (/opt/slurm/bin), not on PATH.
+    site = Site(runs_root="work/runs", results="work/results", slurm_bin=str(slurm.bin_dir))
     try:
-        setup_logging()
-        for architecture, root in RECIPES.values():
-            log.info(f"making {root}: tokenizer, random {architecture} model, data source")
-            make_tiny_sources(Path(root), architecture)
-        slurm = start(Path(".local-slurm"), nodes=arguments.nodes)
-        # Slurm by its prefix, as on ParallelCluster (/opt/slurm/bin), not on PATH.
-        site = Site(runs_root="work/runs", results="work/results", slurm_bin=str(slurm.bin_dir))
-        try:
-            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-            started = time.monotonic()
-            run_dirs = [
-                Path(runs.submit(recipe, [], run_id=f"{recipe}-{stamp}", site=site, dry_run=False)["run_dir"])
-                for recipe in RECIPES
-            ]
-            ok = True
-            for run_dir in run_dirs:
-                runs.wait(run_dir, timeout=arguments.timeout)
-                ok &= summarize(run_dir, Path(site.results).absolute(), time.monotonic() - started)
-        finally:
-            if not arguments.keep_slurm:
-                slurm.stop()
-    except UserError as error:
-        report(error)
-        return 2
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        started = time.monotonic()
+        run_dirs = [
+            Path(runs.submit(recipe, [], run_id=f"{recipe}-{stamp}", site=site, dry_run=False)["run_dir"])
+            for recipe in RECIPES
+        ]
+        ok = True
+        for run_dir in run_dirs:
+            runs.wait(run_dir, timeout=timeout)
+            ok &= summarize(run_dir, Path(site.results).absolute(), time.monotonic() - started)
+    finally:
+        if not keep_slurm:
+            slurm.stop()
     print("\ndemo " + ("passed: every stage of both runs COMPLETED" if ok else "FAILED (see above)"))
     return 0 if ok else 1
 

@@ -12,7 +12,6 @@ real job scripts (dependencies, requeue, multi-node srun) run locally exactly as
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -25,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.errors import UserError, report
+from training.errors import ArgumentParser, UserError, guarded
 from training.local.slurm_config import node_names, render_config, slurm_env, write_client_prefix
 from training.local.slurm_host import alive, ensure_installed, file_tail, free_ports, proc_stat, system_command
 
@@ -276,13 +275,14 @@ def stop(state_dir: Path = DEFAULT_STATE_DIR) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done (status: running), 1 status: partly running, 2 error, 3 status: not running."""
-    parser = argparse.ArgumentParser(prog="python -m training.local.slurm", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m training.local.slurm", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["up", "down", "status"])
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="default: %(default)s")
     parser.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="for up; default: %(default)s")
     args = parser.parse_args(argv)
     state_dir: Path = args.state_dir.resolve()
-    try:
+
+    def run() -> int:
         if args.action == "up":
             began = time.monotonic()
             cluster = start(state_dir, args.nodes)
@@ -310,10 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"local Slurm running ({state_dir}): {pids}")
             print(f"export SLURM_CONF={cluster_or_none.conf}")
             print(cluster_or_none.sinfo().rstrip())
-    except UserError as error:
-        report(error)
-        return 2
-    return 0
+        return 0
+
+    return guarded(run, status=2)
 
 
 if __name__ == "__main__":
