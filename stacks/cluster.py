@@ -151,63 +151,19 @@ class Cluster(Construct):
         super().__init__(scope, construct_id)
         self.cluster_name = cluster_name
         self.node_files_bucket = node_files_bucket
-        bucket_uri = f"s3://{node_files_bucket.bucket_name}/"
-        # The bootstrap script and the locked requirement set (the same file the pipeline ships with the code),
-        # and the day-2 settings, at fixed keys.
-        node_files = (BOOTSTRAP_SCRIPT, LOCK)  # both in assets/node/
-        self.node_files = s3_deployment.BucketDeployment(
-            self,
-            "NodeFiles",
-            sources=[
-                s3_deployment.Source.asset(
-                    str(BOOTSTRAP_SCRIPT.parent), exclude=["*", *(f"!{path.name}" for path in node_files)]
-                ),
-                s3_deployment.Source.data(
-                    BAKE_SCRIPT_FILE,
-                    bake_script(
-                        bootstrap_uri=f"{bucket_uri}{NODE_FILES_PREFIX}{BOOTSTRAP_SCRIPT.name}",
-                        neuron_release=neuron_release,
-                        shared_env=shared_env,
-                        node_settings_uri=f"{bucket_uri}{NODE_FILES_PREFIX}{NODE_SETTINGS_FILE}",
-                    ),
-                ),
-                s3_deployment.Source.json_data(
-                    NODE_SETTINGS_FILE,
-                    node_settings(
-                        neuron_apt_key_fingerprint=neuron_apt_key_fingerprint,
-                        neuron_apt_key_record=f"{bucket_uri}{NEURON_APT_KEY_RECORD}",
-                    ),
-                ),
-            ],
-            destination_bucket=node_files_bucket,
-            destination_key_prefix=NODE_FILES_PREFIX,
-            memory_limit=512,  # shares the stack's one BucketDeployment handler, and its log group
-            log_group=deployment_logs,
+        self.node_files = self._deploy_node_files(
+            neuron_release=neuron_release,
+            shared_env=shared_env,
+            neuron_apt_key_fingerprint=neuron_apt_key_fingerprint,
+            deployment_logs=deployment_logs,
         )
-        self.bootstrap_script_uri = f"{bucket_uri}{NODE_FILES_PREFIX}{BOOTSTRAP_SCRIPT.name}"
-        requirements_uri = f"{bucket_uri}{NODE_FILES_PREFIX}{LOCK.name}"
-        node_settings_uri = f"{bucket_uri}{NODE_FILES_PREFIX}{NODE_SETTINGS_FILE}"
-        self.head_node_policy = self._node_policy(
-            "HeadNodePolicy", f"Head nodes of {cluster_name}", head_node_access, metrics_namespace
+        self.bootstrap_script_uri = self.node_file_uri(BOOTSTRAP_SCRIPT.name)
+        self._add_node_policies(
+            head_node_access=head_node_access,
+            compute_node_access=compute_node_access,
+            queue_access=queue_access or {},
+            metrics_namespace=metrics_namespace,
         )
-        self.compute_node_policy = self._node_policy(
-            "ComputeNodePolicy",
-            f"Compute nodes of {cluster_name}",
-            [*compute_node_access, *self._neuron_apt_key_record_access()],
-            metrics_namespace,
-        )
-        self.queue_policies = {
-            queue: iam.ManagedPolicy(
-                self,
-                f"QueuePolicy-{queue}",
-                path=PARALLELCLUSTER_POLICY_PATH,
-                description=f"Nodes of queue {queue} of {cluster_name} only",
-                statements=list(statements),
-            )
-            for queue, statements in sorted((queue_access or {}).items())
-            if statements
-        }
-
         self.provider = CfnStack(
             self,
             "Provider",
@@ -225,8 +181,8 @@ class Cluster(Construct):
             bootstrap_args=bootstrap_arguments(
                 neuron_release=neuron_release,
                 shared_env=shared_env,
-                requirements_uri=requirements_uri,
-                node_settings_uri=node_settings_uri,
+                requirements_uri=self.node_file_uri(LOCK.name),
+                node_settings_uri=self.node_file_uri(NODE_SETTINGS_FILE),
                 health=health,
                 environment_name=environment_name,
             ),
@@ -248,6 +204,81 @@ class Cluster(Construct):
         self.resource.node.add_dependency(compute_subnet.internet_connectivity_established)
         self.resource.node.add_dependency(self.node_files)
         self.head_node_instance_id = self.resource.get_att_string("headNode.instanceId")
+
+    def node_file_uri(self, name: str) -> str:
+        """The S3 URI of a node file: its fixed key under `NODE_FILES_PREFIX` of the bucket."""
+        return f"s3://{self.node_files_bucket.bucket_name}/{NODE_FILES_PREFIX}{name}"
+
+    def _deploy_node_files(
+        self,
+        *,
+        neuron_release: str,
+        shared_env: str,
+        neuron_apt_key_fingerprint: str | None,
+        deployment_logs: logs.ILogGroup,
+    ) -> s3_deployment.BucketDeployment:
+        """The bootstrap script and the locked requirement set (the same file the pipeline ships with the code),
+        the image build's component and the day-2 settings, at their fixed keys."""
+        node_files = (BOOTSTRAP_SCRIPT, LOCK)  # both in assets/node/
+        return s3_deployment.BucketDeployment(
+            self,
+            "NodeFiles",
+            sources=[
+                s3_deployment.Source.asset(
+                    str(BOOTSTRAP_SCRIPT.parent), exclude=["*", *(f"!{path.name}" for path in node_files)]
+                ),
+                s3_deployment.Source.data(
+                    BAKE_SCRIPT_FILE,
+                    bake_script(
+                        bootstrap_uri=self.node_file_uri(BOOTSTRAP_SCRIPT.name),
+                        neuron_release=neuron_release,
+                        shared_env=shared_env,
+                        node_settings_uri=self.node_file_uri(NODE_SETTINGS_FILE),
+                    ),
+                ),
+                s3_deployment.Source.json_data(
+                    NODE_SETTINGS_FILE,
+                    node_settings(
+                        neuron_apt_key_fingerprint=neuron_apt_key_fingerprint,
+                        neuron_apt_key_record=f"s3://{self.node_files_bucket.bucket_name}/{NEURON_APT_KEY_RECORD}",
+                    ),
+                ),
+            ],
+            destination_bucket=self.node_files_bucket,
+            destination_key_prefix=NODE_FILES_PREFIX,
+            memory_limit=512,  # shares the stack's one BucketDeployment handler, and its log group
+            log_group=deployment_logs,
+        )
+
+    def _add_node_policies(
+        self,
+        *,
+        head_node_access: Sequence[iam.PolicyStatement],
+        compute_node_access: Sequence[iam.PolicyStatement],
+        queue_access: Mapping[str, Sequence[iam.PolicyStatement]],
+        metrics_namespace: str,
+    ) -> None:
+        """The head node's and the compute nodes' policies, and one policy per queue with statements of its own."""
+        self.head_node_policy = self._node_policy(
+            "HeadNodePolicy", f"Head nodes of {self.cluster_name}", head_node_access, metrics_namespace
+        )
+        self.compute_node_policy = self._node_policy(
+            "ComputeNodePolicy",
+            f"Compute nodes of {self.cluster_name}",
+            [*compute_node_access, *self._neuron_apt_key_record_access()],
+            metrics_namespace,
+        )
+        self.queue_policies = {
+            queue: iam.ManagedPolicy(
+                self,
+                f"QueuePolicy-{queue}",
+                path=PARALLELCLUSTER_POLICY_PATH,
+                description=f"Nodes of queue {queue} of {self.cluster_name} only",
+                statements=list(statements),
+            )
+            for queue, statements in sorted(queue_access.items())
+            if statements
+        }
 
     def head_node_command_access(self) -> list[iam.PolicyStatement]:
         """Run shell commands through SSM on this cluster's head node only, and read their status."""

@@ -46,7 +46,7 @@ def handler_function(
         function_name=function_name,
     )
     # CDK writes both `DependsOn` and `Fn::GetAtt` to the role (harmless, not ours to change): this function
-    # alone ignores only that cfn-lint rule, as stacks/pipeline.py does for its functions.
+    # alone ignores only that cfn-lint rule, as stacks/pipeline_trigger.py does for its functions.
     cfn_function = typing.cast(lambda_.CfnFunction, function.node.default_child)
     cfn_function.add_metadata("cfn-lint", {"config": {"ignore_checks": ["W3005"]}})
     return function

@@ -80,6 +80,24 @@ class Monitoring(Construct):
             period=Duration.minutes(1),
             label="status check failed",
         )
+        self.alarms = [
+            *self._training_alarms(name, stall_minutes),
+            *self._infrastructure_alarms(name, fsx_capacity_gib, free, head_status),
+        ]
+        for alarm in self.alarms:
+            alarm.add_alarm_action(actions.SnsAction(topic))
+            alarm.add_ok_action(actions.SnsAction(topic))
+        self.dashboard = cloudwatch.Dashboard(
+            self,
+            "Dashboard",
+            dashboard_name=name,
+            default_interval=Duration.hours(12),
+            widgets=self._rows(free, head_status, fsx_capacity_gib, head_node_instance_id, memory_plan),
+        )
+
+    def _training_alarms(self, name: str, stall_minutes: int) -> list[cloudwatch.Alarm]:
+        """The alarms on the training jobs and the stages: a stall, a failed stage, a late compilation, a run
+        below its throughput floor."""
         stalled = cloudwatch.MathExpression(
             # 1 when a training job ran through the whole window and logged no step in it.
             expression="IF(FILL(running, 0) > 0 AND FILL(steps, 0) == 0, 1, 0)",
@@ -90,7 +108,7 @@ class Monitoring(Construct):
             period=Duration.minutes(stall_minutes),
             label="training stalled",
         )
-        self.alarms = [
+        return [
             self._alarm(
                 "TrainingStalled",
                 f"{name}-training-stalled",
@@ -132,6 +150,13 @@ class Monitoring(Construct):
                 evaluation_periods=THROUGHPUT_FLOOR_PERIODS,
                 datapoints=THROUGHPUT_FLOOR_PERIODS,
             ),
+        ]
+
+    def _infrastructure_alarms(
+        self, name: str, fsx_capacity_gib: int, free: cloudwatch.Metric, head_status: cloudwatch.Metric
+    ) -> list[cloudwatch.Alarm]:
+        """The alarms on what the jobs run on: the file system filling up, the head node failing its checks."""
+        return [
             self._alarm(
                 "FsxLowFreeCapacity",
                 f"{name}-fsx-low-free-capacity",
@@ -155,16 +180,6 @@ class Monitoring(Construct):
                 datapoints=3,
             ),
         ]
-        for alarm in self.alarms:
-            alarm.add_alarm_action(actions.SnsAction(topic))
-            alarm.add_ok_action(actions.SnsAction(topic))
-        self.dashboard = cloudwatch.Dashboard(
-            self,
-            "Dashboard",
-            dashboard_name=name,
-            default_interval=Duration.hours(12),
-            widgets=self._rows(free, head_status, fsx_capacity_gib, head_node_instance_id, memory_plan),
-        )
 
     def _metric(self, metric_name: str, statistic: str, period: Duration = DEFAULT_PERIOD) -> cloudwatch.Metric:
         """A metric of the environment's namespace, without dimensions (every publisher sends that one)."""
@@ -214,13 +229,19 @@ class Monitoring(Construct):
         head_node_instance_id: str,
         memory_plan: MemoryPlanLine | None,
     ) -> list[list[cloudwatch.IWidget]]:
-        m = self._metric
-        minute = HEAD_NODE_PERIOD
+        """The dashboard, row by row: the alarms, training, the watch on the run, Slurm, devices and storage."""
+        status = cloudwatch.AlarmStatusWidget(alarms=self.alarms, title="Alarms", width=24, height=3)
+        return [
+            [status],
+            self._training_row(),
+            self._watch_row(),
+            self._slurm_row(head_status, head_node_instance_id),
+            self._devices_row(free, fsx_capacity_gib, memory_plan),
+        ]
 
-        def graph(title: str, left: Sequence[cloudwatch.IMetric], **options: object) -> cloudwatch.GraphWidget:
-            return cloudwatch.GraphWidget(title=title, left=left, width=8, height=WIDGET_HEIGHT, **options)  # type: ignore[arg-type]
-
-        training: list[cloudwatch.IWidget] = [
+    def _training_row(self) -> list[cloudwatch.IWidget]:
+        m, minute = self._metric, HEAD_NODE_PERIOD
+        return [
             graph(
                 "Loss",
                 [m(names.TRAINING_LOSS, "Average", minute), m(names.VALIDATION_LOSS, "Average", minute)],
@@ -237,7 +258,10 @@ class Monitoring(Construct):
                 right=[m(names.LEARNING_RATE, "Average", minute), m(names.MOE_DROPPED_TOKENS, "Average", minute)],
             ),
         ]
-        slurm: list[cloudwatch.IWidget] = [
+
+    def _slurm_row(self, head_status: cloudwatch.Metric, head_node_instance_id: str) -> list[cloudwatch.IWidget]:
+        m, minute = self._metric, HEAD_NODE_PERIOD
+        return [
             graph(
                 "Slurm queue",
                 [
@@ -270,20 +294,12 @@ class Monitoring(Construct):
                 ],
             ),
         ]
-        plan_lines = []
-        if memory_plan is not None:
-            plan_lines = [
-                cloudwatch.HorizontalAnnotation(
-                    value=memory_plan.planned_gib_per_core * GIB,
-                    label=f"plan of {memory_plan.recipe}: {memory_plan.planned_gib_per_core:.2f} GiB",
-                ),
-                cloudwatch.HorizontalAnnotation(
-                    value=memory_plan.device_gib_per_core * GIB,
-                    label=f"device: {memory_plan.device_gib_per_core:g} GiB",
-                    color="#d62728",
-                ),
-            ]
-        devices: list[cloudwatch.IWidget] = [
+
+    def _devices_row(
+        self, free: cloudwatch.Metric, fsx_capacity_gib: int, memory_plan: MemoryPlanLine | None
+    ) -> list[cloudwatch.IWidget]:
+        m, minute = self._metric, HEAD_NODE_PERIOD
+        return [
             graph(
                 "FSx for Lustre free capacity",
                 [free],
@@ -300,11 +316,14 @@ class Monitoring(Construct):
             graph(
                 "NeuronCore memory (the fullest core)",
                 [m(names.NEURONCORE_MEMORY_USED, "Maximum", minute)],
-                left_annotations=plan_lines,
+                left_annotations=memory_plan_annotations(memory_plan),
                 left_y_axis=cloudwatch.YAxisProps(min=0),
             ),
         ]
-        watch: list[cloudwatch.IWidget] = [
+
+    def _watch_row(self) -> list[cloudwatch.IWidget]:
+        m, minute = self._metric, HEAD_NODE_PERIOD
+        return [
             graph(
                 "Throughput against expected",
                 [m(names.THROUGHPUT_FRACTION, "Average", minute)],
@@ -318,5 +337,25 @@ class Monitoring(Construct):
                 view=cloudwatch.GraphWidgetView.BAR,
             ),
         ]
-        status = cloudwatch.AlarmStatusWidget(alarms=self.alarms, title="Alarms", width=24, height=3)
-        return [[status], training, watch, slurm, devices]
+
+
+def graph(title: str, left: Sequence[cloudwatch.IMetric], **options: object) -> cloudwatch.GraphWidget:
+    """A third of a dashboard row."""
+    return cloudwatch.GraphWidget(title=title, left=left, width=8, height=WIDGET_HEIGHT, **options)  # type: ignore[arg-type]
+
+
+def memory_plan_annotations(memory_plan: MemoryPlanLine | None) -> list[cloudwatch.HorizontalAnnotation]:
+    """The recipe's planned GiB per core and the device's, as lines on the NeuronCore memory graph."""
+    if memory_plan is None:
+        return []
+    return [
+        cloudwatch.HorizontalAnnotation(
+            value=memory_plan.planned_gib_per_core * GIB,
+            label=f"plan of {memory_plan.recipe}: {memory_plan.planned_gib_per_core:.2f} GiB",
+        ),
+        cloudwatch.HorizontalAnnotation(
+            value=memory_plan.device_gib_per_core * GIB,
+            label=f"device: {memory_plan.device_gib_per_core:g} GiB",
+            color="#d62728",
+        ),
+    ]

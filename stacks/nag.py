@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from aws_cdk import Acknowledgment, Stack, Validations
 
-from stacks.pipeline import BUCKET_DEPLOYMENT_HANDLER
+from stacks.pipeline_trigger import BUCKET_DEPLOYMENT_HANDLER
 
 
 @dataclass(frozen=True)

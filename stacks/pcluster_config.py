@@ -54,58 +54,12 @@ def queue_policies(queue: str, resources: ClusterResources) -> list[dict[str, st
 
 def build_cluster_configuration(settings: ClusterSettings, resources: ClusterResources) -> dict[str, Any]:
     """The `ClusterConfiguration` object of `Custom::PclusterCluster` (same shape as the cluster YAML)."""
-    compute = settings.compute
     bootstrap = {"OnNodeConfigured": {"Script": resources.bootstrap_script_url, "Args": list(resources.bootstrap_args)}}
-    head_node: dict[str, Any] = {
-        "InstanceType": settings.head_node.instance_type,
-        "Networking": {
-            "SubnetId": resources.head_node_subnet_id,
-            # Our own group replaces the one ParallelCluster would create, which opens SSH to AllowedIps.
-            "SecurityGroups": [resources.security_group_id],
-        },
-        "LocalStorage": {"RootVolume": {"Size": settings.head_node.root_volume_gib, "Encrypted": True}},
-        "Iam": {
-            "AdditionalIamPolicies": [
-                {"Policy": SSM_MANAGED_INSTANCE_CORE},
-                {"Policy": resources.head_node_policy_arn},
-            ]
-        },
-        "CustomActions": bootstrap,
-        "Imds": {"Secured": True},
-    }
-    if settings.ssh_key_name:
-        head_node["Ssh"] = {"KeyName": settings.ssh_key_name}
-    min_count, max_count = compute.node_counts
-    compute_resource: dict[str, Any] = {
-        "Name": _compute_resource_name(compute.instance_type),
-        "InstanceType": compute.instance_type,
-        "MinCount": min_count,
-        "MaxCount": max_count,
-        "Efa": {"Enabled": compute.efa},
-    }
-    target = capacity_reservation_target(compute)
-    if target:
-        compute_resource["CapacityReservationTarget"] = target
-    queue = {
-        "Name": compute.queue_name,
-        "CapacityType": PARALLELCLUSTER_CAPACITY_TYPES[compute.capacity.type],
-        "Networking": {
-            "SubnetIds": [resources.compute_subnet_id],
-            "SecurityGroups": [resources.security_group_id],
-            "PlacementGroup": {"Enabled": compute.placement_group_enabled},
-        },
-        "ComputeSettings": {"LocalStorage": {"RootVolume": {"Size": compute.root_volume_gib, "Encrypted": True}}},
-        "ComputeResources": [compute_resource],
-        **({"Image": {"CustomAmi": compute.custom_ami}} if compute.custom_ami else {}),
-        "CustomActions": bootstrap,
-        "Iam": {"AdditionalIamPolicies": queue_policies(compute.queue_name, resources)},
-        # Trainium jobs own whole nodes; sharing a node between jobs would split its NeuronCores.
-        "JobExclusiveAllocation": True,
-    }
+    compute = settings.compute
     cluster: dict[str, Any] = {
         "Region": settings.region,
         "Image": {"Os": settings.os},
-        "HeadNode": head_node,
+        "HeadNode": head_node_section(settings, resources, bootstrap),
         "Scheduling": {
             "Scheduler": "slurm",
             "SlurmSettings": {
@@ -116,7 +70,7 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
                 # of the run would adopt them, waiting on a job that failed); the local Slurm is configured the same.
                 "CustomSlurmSettings": [{"DependencyParameters": "kill_invalid_depend"}],
             },
-            "SlurmQueues": [queue, *cpu_queues(settings.cpu_queue, resources)],
+            "SlurmQueues": [trainium_queue(compute, resources, bootstrap), *cpu_queues(settings.cpu_queue, resources)],
         },
         "SharedStorage": [
             {
@@ -140,6 +94,63 @@ def build_cluster_configuration(settings: ClusterSettings, resources: ClusterRes
     if settings.tags:
         cluster["Tags"] = [{"Key": key, "Value": value} for key, value in sorted(settings.tags.items())]
     return cluster
+
+
+def head_node_section(
+    settings: ClusterSettings, resources: ClusterResources, bootstrap: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The head node: our security group, an encrypted root volume, SSM and the stack's policy, IMDSv2 only."""
+    head_node: dict[str, Any] = {
+        "InstanceType": settings.head_node.instance_type,
+        "Networking": {
+            "SubnetId": resources.head_node_subnet_id,
+            # Our own group replaces the one ParallelCluster would create, which opens SSH to AllowedIps.
+            "SecurityGroups": [resources.security_group_id],
+        },
+        "LocalStorage": {"RootVolume": {"Size": settings.head_node.root_volume_gib, "Encrypted": True}},
+        "Iam": {
+            "AdditionalIamPolicies": [
+                {"Policy": SSM_MANAGED_INSTANCE_CORE},
+                {"Policy": resources.head_node_policy_arn},
+            ]
+        },
+        "CustomActions": bootstrap,
+        "Imds": {"Secured": True},
+    }
+    if settings.ssh_key_name:
+        head_node["Ssh"] = {"KeyName": settings.ssh_key_name}
+    return head_node
+
+
+def trainium_queue(compute: ComputeConfig, resources: ClusterResources, bootstrap: Mapping[str, Any]) -> dict[str, Any]:
+    """The Trainium queue: one compute resource of the environment's instance type, on its capacity."""
+    min_count, max_count = compute.node_counts
+    compute_resource: dict[str, Any] = {
+        "Name": _compute_resource_name(compute.instance_type),
+        "InstanceType": compute.instance_type,
+        "MinCount": min_count,
+        "MaxCount": max_count,
+        "Efa": {"Enabled": compute.efa},
+    }
+    target = capacity_reservation_target(compute)
+    if target:
+        compute_resource["CapacityReservationTarget"] = target
+    return {
+        "Name": compute.queue_name,
+        "CapacityType": PARALLELCLUSTER_CAPACITY_TYPES[compute.capacity.type],
+        "Networking": {
+            "SubnetIds": [resources.compute_subnet_id],
+            "SecurityGroups": [resources.security_group_id],
+            "PlacementGroup": {"Enabled": compute.placement_group_enabled},
+        },
+        "ComputeSettings": {"LocalStorage": {"RootVolume": {"Size": compute.root_volume_gib, "Encrypted": True}}},
+        "ComputeResources": [compute_resource],
+        **({"Image": {"CustomAmi": compute.custom_ami}} if compute.custom_ami else {}),
+        "CustomActions": bootstrap,
+        "Iam": {"AdditionalIamPolicies": queue_policies(compute.queue_name, resources)},
+        # Trainium jobs own whole nodes; sharing a node between jobs would split its NeuronCores.
+        "JobExclusiveAllocation": True,
+    }
 
 
 def cpu_queues(cpu: CpuQueueConfig | None, resources: ClusterResources) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
-"""The stack of one environment: wires network, storage, cluster and pipeline together, grants each the
-access it needs to the others, and publishes the outputs.
+"""The stack of one environment: wires network, storage, cluster and the pipeline's deploy trigger together,
+grants each the access it needs to the others, and publishes the outputs.
 
 This is the only code that reads the whole environment; each construct gets only the settings it uses.
 """
@@ -11,6 +11,7 @@ from collections import defaultdict
 from aws_cdk import CfnOutput, Environment, Stack, Tags
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_logs as logs
 from constructs import Construct
 
 from stacks.budget import BudgetGuard
@@ -22,8 +23,8 @@ from stacks.monitoring import MemoryPlanLine, Monitoring
 from stacks.network import Network
 from stacks.notifications import Notifications
 from stacks.pcluster_config import ClusterSettings
-from stacks.pipeline import SOURCE_PREFIX, SSM_OUTPUT_PREFIX, Pipeline, SharedEnvironment
 from stacks.pipeline_site import EXECUTED_FOLDERS, MODELS_FOLDER, shared_env_path, site_settings
+from stacks.pipeline_trigger import SOURCE_PREFIX, SSM_OUTPUT_PREFIX, PipelineTrigger, SharedEnvironment
 from stacks.preflight import Preflight, preflight_checks
 from stacks.storage import Storage
 from stacks.tracking_access import tracking_access
@@ -108,10 +109,38 @@ class TrainingEnvironmentStack(Stack):
         )
         for key, value in sorted(config.tags.items()):
             Tags.of(self).add(key, value)
+        self._add_foundation(config)
+        neuron_release = bootstrap_neuron_release()
+        # One log group for the stack's one BucketDeployment handler (the code and the node files).
+        deployment_logs = log_group_with_retention(self, "DeploymentLogs", config.logging.retention_days)
+        self.cluster = self._add_cluster(config, neuron_release, deployment_logs)
+        self._add_alerts(config)
+        self.pipeline_trigger = self._add_pipeline_trigger(config, neuron_release, deployment_logs)
+        self.notifications.grant_publish(self.pipeline_trigger.handler_role)
+        self.storage.protect_executed_code(
+            code_prefixes=(SOURCE_PREFIX, NODE_FILES_PREFIX),
+            code_writer=self.pipeline_trigger.source.handler_role,
+            imported=EXECUTED_FOLDERS,
+        )
+        self.monitoring = Monitoring(
+            self,
+            "Monitoring",
+            name=config.stack_name,
+            namespace=namespace_of(config.name),
+            topic=self.notifications.topic,
+            stall_minutes=config.monitoring.stall_minutes,
+            file_system_id=self.storage.file_system.file_system_id,
+            fsx_capacity_gib=config.storage.fsx_capacity_gib,
+            head_node_instance_id=self.cluster.head_node_instance_id,
+            memory_plan=memory_plan_line(config),
+        )
+        self._add_outputs(config)
 
+    def _add_foundation(self, config: EnvironmentConfig) -> None:
+        """The preflight, then the network, the storage and the compile cache; nothing that bills is created
+        before the preflight has checked what only the account knows (zone offerings, quotas, reservations,
+        images): the NAT gateway and the file system wait for it."""
         retention_days = config.logging.retention_days
-        # First: what only the account knows (zone offerings, quotas, reservations, images), checked before
-        # anything that bills exists; the NAT gateway, the file system and the cluster wait for it.
         self.preflight = Preflight(
             self, "Preflight", checks=preflight_checks(config), log_retention_days=retention_days
         )
@@ -144,10 +173,10 @@ class TrainingEnvironmentStack(Stack):
             function_name=promoter_name(config.stack_name),
             log_retention_days=retention_days,
         )
-        neuron_release = bootstrap_neuron_release()
-        # One log group for the stack's one BucketDeployment handler (the code and the node files).
-        deployment_logs = log_group_with_retention(self, "DeploymentLogs", retention_days)
-        self.cluster = Cluster(
+
+    def _add_cluster(self, config: EnvironmentConfig, neuron_release: str, deployment_logs: logs.ILogGroup) -> Cluster:
+        """The cluster on the network and the storage, after the preflight."""
+        cluster = Cluster(
             self,
             "Cluster",
             cluster_name=config.cluster_name,
@@ -164,7 +193,7 @@ class TrainingEnvironmentStack(Stack):
             file_system=self.storage.file_system,
             node_files_bucket=self.storage.bucket,
             deployment_logs=deployment_logs,
-            # Nodes read the bucket. The head node writes the SSM command output the pipeline reads back;
+            # Nodes read the bucket. The head node writes the SSM command output the pipeline trigger reads back;
             # compute nodes write results: the export stage runs there.
             head_node_access=self.storage.results_access(
                 read_prefixes=(SOURCE_PREFIX, NODE_FILES_PREFIX, f"{RESULTS_PREFIX}/"),
@@ -175,9 +204,11 @@ class TrainingEnvironmentStack(Stack):
             ),
             queue_access=self._queue_access(config),
         )
+        cluster.resource.node.add_dependency(self.preflight.resource)
+        return cluster
 
-        self.cluster.resource.node.add_dependency(self.preflight.resource)
-
+    def _add_alerts(self, config: EnvironmentConfig) -> None:
+        """The alarm topic, and the budget guard when the environment file sets a monthly budget."""
         self.notifications = Notifications(
             self,
             "Notifications",
@@ -193,12 +224,16 @@ class TrainingEnvironmentStack(Stack):
                 stop_at_percent=config.budget.stop_fleet_at_percent,
                 cluster_name=config.cluster_name,
                 notifications=self.notifications,
-                log_retention_days=retention_days,
+                log_retention_days=config.logging.retention_days,
             )
 
-        head_node = self.cluster.head_node_instance_id
+    def _add_pipeline_trigger(
+        self, config: EnvironmentConfig, neuron_release: str, deployment_logs: logs.ILogGroup
+    ) -> PipelineTrigger:
+        """The deploy trigger that submits the recipe's Slurm pipeline on the head node. Its construct id stays
+        "Pipeline": the resources' logical ids derive from it."""
         bucket = self.storage.bucket
-        self.pipeline = Pipeline(
+        return PipelineTrigger(
             self,
             "Pipeline",
             environment_name=config.name,
@@ -215,11 +250,11 @@ class TrainingEnvironmentStack(Stack):
                 compile_cache_store=self.compile_cache.store_uri,
                 compile_cache_promoter=promoter_name(config.stack_name),
             ),
-            log_retention_days=retention_days,
+            log_retention_days=config.logging.retention_days,
             bucket=bucket,
             file_system=self.storage.file_system,
             file_system_mount_dir=config.storage.mount_dir,
-            head_node_instance_id=head_node,
+            head_node_instance_id=self.cluster.head_node_instance_id,
             deployment_logs=deployment_logs,
             # Commands to this cluster's head node, their output in the bucket, exports of the file system.
             handler_access=[
@@ -229,24 +264,11 @@ class TrainingEnvironmentStack(Stack):
             ],
             notice_topic=self.notifications.topic,
         )
-        self.notifications.grant_publish(self.pipeline.handler_role)
-        self.storage.protect_executed_code(
-            code_prefixes=(SOURCE_PREFIX, NODE_FILES_PREFIX),
-            code_writer=self.pipeline.source.handler_role,
-            imported=EXECUTED_FOLDERS,
-        )
-        self.monitoring = Monitoring(
-            self,
-            "Monitoring",
-            name=config.stack_name,
-            namespace=namespace_of(config.name),
-            topic=self.notifications.topic,
-            stall_minutes=config.monitoring.stall_minutes,
-            file_system_id=self.storage.file_system.file_system_id,
-            fsx_capacity_gib=config.storage.fsx_capacity_gib,
-            head_node_instance_id=head_node,
-            memory_plan=memory_plan_line(config),
-        )
+
+    def _add_outputs(self, config: EnvironmentConfig) -> None:
+        """The stack outputs: how to reach the cluster, where the results and the run are, what was started."""
+        head_node = self.cluster.head_node_instance_id
+        trigger = self.pipeline_trigger
         CfnOutput(self, "ClusterName", value=config.cluster_name, description="ParallelCluster cluster name")
         CfnOutput(self, "HeadNodeInstanceId", value=head_node, description="EC2 instance id of the head node")
         CfnOutput(
@@ -266,10 +288,10 @@ class TrainingEnvironmentStack(Stack):
         CfnOutput(
             self,
             "PipelineRunId",
-            value=self.pipeline.run_id,
+            value=trigger.run_id,
             description="Run started by this deployment (empty when pipeline.start_run is false)",
         )
-        CfnOutput(self, "PipelineRunDirectory", value=self.pipeline.run_dir, description="On the cluster's /fsx")
+        CfnOutput(self, "PipelineRunDirectory", value=trigger.run_dir, description="On the cluster's /fsx")
         CfnOutput(
             self,
             "DashboardUrl",
@@ -278,11 +300,11 @@ class TrainingEnvironmentStack(Stack):
             description="CloudWatch dashboard: training, Slurm, nodes, FSx, Neuron devices, alarms",
         )
         CfnOutput(self, "AlarmTopicArn", value=self.notifications.topic.topic_arn, description="Alarms and budget")
-        CfnOutput(self, "PipelineJobIds", value=self.pipeline.job_ids, description="Slurm job id per stage")
+        CfnOutput(self, "PipelineJobIds", value=trigger.job_ids, description="Slurm job id per stage")
         CfnOutput(
             self,
             "PipelineRunStatus",
-            value=self.pipeline.run_status,
+            value=trigger.run_status,
             description="submitted, no-run, submitted-earlier, or not-started: <why> (the environment is kept)",
         )
 

@@ -1,22 +1,17 @@
-"""Tests of the pipeline custom resource's Lambda handlers (assets/lambda/pipeline_trigger/handler.py).
+"""Tests of the pipeline custom resource's Lambda handlers (assets/lambda/pipeline_trigger/: handler.py, trigger_*.py).
 
 AWS is moto where moto implements the call (SSM SendCommand, GetCommandInvocation and ListCommands to
 read back what was sent; S3 for the command output SSM writes there), and botocore's Stubber, which checks
 parameters and responses against the real API models, where it does not: DescribeInstanceInformation (not
 implemented by moto 5.2), command statuses moto cannot produce (InProgress, Failed with output), and the
-FSx data repository tasks. The rendered scripts are checked with `bash -n` and run for real with bash
-against a fake `aws` command and a fake `training` package.
+FSx data repository tasks. The scripts themselves are run in test_pipeline_trigger_scripts.py.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
-import zipfile
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,34 +23,15 @@ from botocore.response import StreamingBody
 from botocore.stub import Stubber
 from moto import mock_aws
 
-from tests.support.parallelcluster_shell import load_pipeline_handler
-from training.cli import build_parser
+from tests.support.parallelcluster_shell import load_pipeline_handler, load_pipeline_trigger_module
+from tests.support.pipeline_trigger import FILE_SYSTEM, HEAD_NODE, OUTPUT_BUCKET, SITE, properties
 from training.pipeline.runs import RUN_ID
 
 ROOT = Path(__file__).resolve().parents[2]
 BASH = shutil.which("bash") or "/bin/bash"
 REGION = "us-west-2"
 NOW = 1_750_000_000.0
-HEAD_NODE = "i-0123456789abcdef0"
-FILE_SYSTEM = "fs-0123456789abcdef0"
-OUTPUT_BUCKET = "pipeline-command-output"
 COMMAND = "0b2f7f4e-2a55-4a3e-9a41-3c8d54f1e7a1"  # SSM command ids are UUIDs
-SITE = {
-    "name": "default",
-    "runs_root": "/fsx/runs",
-    "results": "s3://results-bucket/results",
-    "python": "/fsx/envs/neuron-2.28.1/bin/python",
-    "setup": [],
-    "slurm_bin": "/opt/slurm/bin",
-    "partition": "compute1",
-    "processes_per_node": 32,
-    "exclusive": True,
-    "neuron": True,
-    "efa": True,
-    "compile_cache": "/fsx/neuron-cache",
-    "max_restarts": 3,
-    "time_minutes": 0,
-}
 RUN_RECORD = {
     "run_id": "set-by-test",
     "recipe": "llama31-8b-cpt",
@@ -72,35 +48,13 @@ JOB_IDS = "prepare=7,convert-in=8,compile=19,train=20,convert-out=21,sample=22,e
 
 
 handler = load_pipeline_handler()
+parsing = load_pipeline_trigger_module("trigger_properties")
+scripts = load_pipeline_trigger_module("trigger_scripts")
+aws_api = load_pipeline_trigger_module("trigger_aws")
+phases = load_pipeline_trigger_module("trigger_phases")
 
 
 # --- Events and clients -----------------------------------------------------------------------------------
-
-
-def properties(**changes: Any) -> dict[str, Any]:
-    """ResourceProperties as CloudFormation passes them (strings and lists of strings)."""
-    base: dict[str, Any] = {
-        "ServiceToken": "arn:aws:lambda:us-west-2:123456789012:function:provider-framework-onEvent",
-        "HeadNodeInstanceId": HEAD_NODE,
-        "ClusterName": "trn1-llama",
-        "StartRun": "true",
-        "Recipe": "llama31-8b-cpt",
-        "RecipeOverrides": ["steps=100", "batch.micro=1"],
-        "SourceBucket": "cdk-hnb659fds-assets-123456789012-us-west-2",
-        "SourceKey": "0a1b2c3d.zip",
-        "SourceHash": "0a1b2c3d",
-        "Run": "1",
-        "SiteSettings": json.dumps(SITE),
-        "SharedEnvironmentPath": "/fsx/envs/neuron-2.28.1",
-        "NeuronRelease": "2.28.1",
-        "FileSystemId": FILE_SYSTEM,
-        "FileSystemMountDir": "/fsx",
-        "OutputBucket": OUTPUT_BUCKET,
-        "OutputPrefix": "pipeline/ssm",
-        "TimeoutSeconds": "1800",
-        "EnvironmentName": "default",
-    }
-    return base | changes
 
 
 def cfn_event(request: str, props: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -260,7 +214,7 @@ def sent_commands() -> list[dict[str, Any]]:
 
 
 def expected_run_id(props: dict[str, Any]) -> str:
-    return str(handler.run_id_of(handler.parse_properties(props)))
+    return str(parsing.run_id_of(parsing.parse_properties(props)))
 
 
 def submitted(
@@ -278,14 +232,14 @@ def submitted(
 
 
 def test_run_id_depends_on_the_run_number_recipe_and_overrides_only() -> None:
-    run_id = handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "1")
+    run_id = parsing.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "1")
     assert run_id.startswith("default-llama31-8b-cpt-") and len(run_id) == len("default-llama31-8b-cpt-") + 10
-    assert run_id == handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "1")
+    assert run_id == parsing.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "1")
     others = {
-        handler.derive_run_id("default", "mixtral-8x7b-sft", ["steps=100"], "1"),
-        handler.derive_run_id("default", "llama31-8b-cpt", ["steps=200"], "1"),
-        handler.derive_run_id("default", "llama31-8b-cpt", [], "1"),
-        handler.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "2"),
+        parsing.derive_run_id("default", "mixtral-8x7b-sft", ["steps=100"], "1"),
+        parsing.derive_run_id("default", "llama31-8b-cpt", ["steps=200"], "1"),
+        parsing.derive_run_id("default", "llama31-8b-cpt", [], "1"),
+        parsing.derive_run_id("default", "llama31-8b-cpt", ["steps=100"], "2"),
     }
     assert run_id not in others and len(others) == 4
 
@@ -295,7 +249,7 @@ def test_run_id_depends_on_the_run_number_recipe_and_overrides_only() -> None:
     [("default", "llama31-8b-cpt"), ("my env", "../recipes/x y.yaml"), ("-x" * 40, "r" * 80), ("", "")],
 )
 def test_run_id_is_accepted_by_training_submit(environment: str, recipe: str) -> None:
-    run_id = handler.derive_run_id(environment, recipe, ["a=b"], "12")
+    run_id = parsing.derive_run_id(environment, recipe, ["a=b"], "12")
     assert RUN_ID.match(run_id), run_id
     assert len(run_id) <= 64
 
@@ -327,7 +281,7 @@ def test_create_submits_on_the_head_node(aws: None, stubbers: Callable[[str], tu
     assert command["OutputS3BucketName"] == OUTPUT_BUCKET
     assert command["OutputS3KeyPrefix"] == "pipeline/ssm"
     assert command["TimeoutSeconds"] == 1800
-    script = handler.submit_script(handler.parse_properties(props), run_id)
+    script = scripts.submit_script(parsing.parse_properties(props), run_id)
     assert command["Parameters"] == {"commands": script.splitlines(), "executionTimeout": ["1800"]}
     assert command["Parameters"]["commands"][0] == "#!/bin/bash"  # SSM runs the file: bash, not sh
     submit_line = next(
@@ -457,7 +411,7 @@ def test_first_deploy_waits_for_the_head_node_to_come_online_then_submits_once(
     assert command["Comment"] == f"submit pipeline run {run_id} at {int(NOW)}"
     assert command["TimeoutSeconds"] == 1800 - 120  # what remains of the bound
 
-    stdout = f"{handler.MARKER}{json.dumps(RUN_RECORD | {'run_id': run_id})}\n"
+    stdout = f"{scripts.MARKER}{json.dumps(RUN_RECORD | {'run_id': run_id})}\n"
     stubber.add_response(
         "get_command_invocation",
         invocation(command["CommandId"], "Success", stdout, code=0),
@@ -505,7 +459,7 @@ def test_a_head_node_never_online_completes_without_a_run_and_says_why(
             "TopicArn": TOPIC,
             "Subject": "Training run of default not started",
             "Message": "The deploy of environment default could not start its training run: "
-            f"{reason}\n\n{handler.RETRY_HINT}",
+            f"{reason}\n\n{phases.RETRY_HINT}",
         },
     )
 
@@ -570,7 +524,7 @@ def test_submission_success_reads_the_run_record_from_s3(
     s3.create_bucket(Bucket=OUTPUT_BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION})
     folder = f"pipeline/ssm/{command_id}/{HEAD_NODE}/awsrunShellScript/0.awsrunShellScript"
     stdout = (
-        "x" * 30000 + f"\nrun {run_id}: submitted ...\n{handler.MARKER}{json.dumps(RUN_RECORD | {'run_id': run_id})}\n"
+        "x" * 30000 + f"\nrun {run_id}: submitted ...\n{scripts.MARKER}{json.dumps(RUN_RECORD | {'run_id': run_id})}\n"
     )
     s3.put_object(Bucket=OUTPUT_BUCKET, Key=f"{folder}/stdout", Body=stdout.encode())
 
@@ -604,7 +558,7 @@ def submit_state(props: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     event = cfn_event("Create", props)
     result = {
         "PhysicalResourceId": "pipeline-trn1-llama",
-        "Data": handler.data(run_id=expected_run_id(props), run_dir="", command=COMMAND, phase="submit", started=NOW),
+        "Data": phases.data(run_id=expected_run_id(props), run_dir="", command=COMMAND, phase="submit", started=NOW),
     }
     return event, result
 
@@ -614,7 +568,7 @@ def test_submission_success_with_the_record_inline(stubbers: Callable[[str], tup
     event, result = submit_state(props)
     run_id = expected_run_id(props)
     ssm, stubber = stubbers("ssm")
-    stdout = f"run {run_id}: submitted prepare=7\n{handler.MARKER}{json.dumps(RUN_RECORD | {'run_id': run_id})}\n"
+    stdout = f"run {run_id}: submitted prepare=7\n{scripts.MARKER}{json.dumps(RUN_RECORD | {'run_id': run_id})}\n"
     stubber.add_response(
         "get_command_invocation",
         invocation(COMMAND, "Success", stdout, code=0),
@@ -703,7 +657,7 @@ def test_submission_failure_with_cut_output_reads_the_tail_from_s3(
     )
     assert "Failed (exit 1)" in message and "fetching source" in message
     assert message.endswith("HeadObject operation: Forbidden")
-    assert len(message) <= handler.MAX_REASON
+    assert len(message) <= scripts.MAX_REASON
 
 
 def test_submission_success_without_a_run_record_fails(stubbers: Callable[[str], tuple[Any, Stubber]]) -> None:
@@ -759,7 +713,7 @@ def test_output_is_read_at_the_keys_of_the_invocation_urls(stubbers: Callable[[s
     ],
 )
 def test_key_from_url(url: str, key: str | None) -> None:
-    assert handler.key_from_url(url, "b") == key
+    assert aws_api.key_from_url(url, "b") == key
 
 
 # --- Delete -----------------------------------------------------------------------------------------------
@@ -782,8 +736,8 @@ def test_delete_with_a_live_head_node_cancels_then_exports(
     assert result["PhysicalResourceId"] == "pipeline-trn1-llama"
     assert result["Data"]["Phase"] == "cancel" and result["Data"]["CommandId"] == command["CommandId"]
     assert command["DocumentName"] == "AWS-RunShellScript" and command["InstanceIds"] == [HEAD_NODE]
-    assert command["TimeoutSeconds"] == handler.CANCEL_DELIVERY_SECONDS
-    cancel = handler.cancel_script(handler.parse_properties(props), run_id)
+    assert command["TimeoutSeconds"] == phases.CANCEL_DELIVERY_SECONDS
+    cancel = scripts.cancel_script(parsing.parse_properties(props), run_id)
     assert command["Parameters"]["commands"] == cancel.splitlines()
     assert f"run_id={run_id}" in cancel.splitlines()
     assert (
@@ -835,7 +789,7 @@ def test_delete_whose_cancel_fails_stops_with_the_reason_and_exports_nothing(
         event,
         {
             "PhysicalResourceId": "pipeline-trn1-llama",
-            "Data": handler.data(run_id="r1", command=COMMAND, phase="cancel", started=NOW),
+            "Data": phases.data(run_id="r1", command=COMMAND, phase="cancel", started=NOW),
         },
     )
     ssm, ssm_stubber = stubbers("ssm")
@@ -888,7 +842,7 @@ def export_state() -> dict[str, Any]:
     event = cfn_event("Delete", properties())
     result = {
         "PhysicalResourceId": "pipeline-trn1-llama",
-        "Data": handler.data(run_id="r", phase="export", started=NOW),
+        "Data": phases.data(run_id="r", phase="export", started=NOW),
     }
     return poll_event(event, result)
 
@@ -945,257 +899,3 @@ def test_delete_after_start_run_false_completes_at_once() -> None:
     assert handler.is_complete(poll_event(event, result), None, clients=no_clients, now=lambda: NOW) == {
         "IsComplete": True
     }
-
-
-# --- The scripts, run by bash -----------------------------------------------------------------------------
-
-HOSTILE = [
-    "steps=100",
-    "name=it's; touch pwned-quote",
-    'prompt="a b";touch pwned-semicolon',
-    "x=$(touch pwned-subst) `id`",
-]
-
-FAKE_TRAINING = '''\
-"""Stands in for `python -m training`: records its arguments, writes a run record like `submit` does."""
-import json, sys
-from pathlib import Path
-
-args = sys.argv[1:]
-site = json.loads(Path(args[args.index("--site") + 1]).read_text())
-runs = Path(site["runs_root"])
-with open(runs / "calls.jsonl", "a") as log:
-    log.write(json.dumps(args) + "\\n")
-if args[0] == "submit" and args[args.index("--recipe") + 1] == "broken":
-    sys.exit(print("error: sbatch --parsable failed: sbatch: error: invalid partition", file=sys.stderr) or 2)
-if args[0] == "cancel" and (runs / "cancel-fails").exists():
-    sys.exit(print("error: scancel failed: Invalid job id specified", file=sys.stderr) or 2)
-if args[0] == "cancel":
-    sys.exit(print("run: cancelled jobs 1, 2"))
-run_id = args[args.index("--run-id") + 1]
-(runs / run_id).mkdir(parents=True, exist_ok=True)
-record = {"run_id": run_id, "stages": ["prepare", "train"], "submissions": [{"jobs": {"prepare": "1", "train": "2"}}]}
-(runs / run_id / "run.json").write_text(json.dumps(record, indent=2))
-print(f"run {run_id}: submitted prepare=1, train=2")
-'''
-
-FAKE_BOOTSTRAP = """\
-#!/bin/bash
-# Stands in for the node bootstrap: records the arguments it was run with.
-echo "$*" >>"$HOME/bootstrap.log"
-"""
-
-FAKE_AWS = """\
-#!/bin/bash
-# Stands in for the AWS CLI: `aws s3 cp [--recursive] --only-show-errors s3://bucket/key destination`.
-echo "$*" >>"$FAKE_AWS_LOG"
-if [[ "$1 $2 $3 $4" == "s3 cp --recursive --only-show-errors" ]]; then
-  mkdir -p "$6" && cp -R "$FAKE_SOURCE_TREE"/. "$6"
-elif [[ "$1 $2 $3" == "s3 cp --only-show-errors" ]]; then
-  cp "$FAKE_SOURCE_ZIP" "$5"
-else
-  exit 64
-fi
-"""
-
-
-@pytest.fixture
-def head_node(tmp_path: Path) -> dict[str, Any]:
-    """A file system mount, a source zip, a fake `aws` on PATH and the real Python as the shared one."""
-    mount = tmp_path / "fsx"
-    mount.mkdir()
-    source = io.BytesIO()
-    with zipfile.ZipFile(source, "w") as archive:
-        archive.writestr("training/__init__.py", "")
-        archive.writestr("training/__main__.py", FAKE_TRAINING)
-        archive.writestr("pyproject.toml", "[project]\nname = 'x'\n")
-        archive.writestr("assets/node/on_node_configured.sh", FAKE_BOOTSTRAP)
-        archive.writestr("assets/node/cluster-requirements.txt", "transformers==4.57.6\n")
-    (tmp_path / "source.zip").write_bytes(source.getvalue())
-    with zipfile.ZipFile(source) as archive:
-        archive.extractall(tmp_path / "source-tree")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "aws").write_text(FAKE_AWS)
-    (bin_dir / "aws").chmod(0o755)
-    env = {
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "HOME": str(tmp_path),
-        "FAKE_AWS_LOG": str(tmp_path / "aws.log"),
-        "FAKE_SOURCE_ZIP": str(tmp_path / "source.zip"),
-        "FAKE_SOURCE_TREE": str(tmp_path / "source-tree"),
-    }
-    site = SITE | {"runs_root": f"{mount}/runs", "python": sys.executable, "setup": ["ulimit -n 65536"]}
-    props = properties(SiteSettings=json.dumps(site), FileSystemMountDir=str(mount), RecipeOverrides=HOSTILE)
-    return {"mount": mount, "env": env, "props": props, "site": site, "tmp": tmp_path}
-
-
-def run_bash(script: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [BASH, "-c", script], env=env, cwd=cwd, capture_output=True, text=True, timeout=60, check=False
-    )
-
-
-def test_scripts_pass_bash_syntax_check_with_hostile_values() -> None:
-    props = handler.parse_properties(
-        properties(Recipe="llama'; rm -rf /; echo '", RecipeOverrides=HOSTILE, EnvironmentName="prod $(id)")
-    )
-    run_id = handler.run_id_of(props)
-    for script in (handler.submit_script(props, run_id), handler.cancel_script(props, run_id)):
-        checked = subprocess.run([BASH, "-n"], input=script, capture_output=True, text=True, check=False)
-        assert checked.returncode == 0, checked.stderr
-
-
-def test_scripts_pass_shellcheck() -> None:
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.skip("shellcheck is not on PATH: apt-get install shellcheck")
-    props = handler.parse_properties(properties())  # hostile values are run for real below (they'd be SC2016)
-    run_id = handler.run_id_of(props)
-    for script in (handler.submit_script(props, run_id), handler.cancel_script(props, run_id)):
-        checked = subprocess.run(
-            [shellcheck, "--severity=style", "--shell=bash", "-"],
-            input=script,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert checked.returncode == 0, checked.stdout + checked.stderr
-
-
-@pytest.mark.parametrize("source_key", ["0a1b2c3d.zip", "pipeline/source/0a1b2c3d/"], ids=["zip", "prefix"])
-def test_submit_script_runs_with_hostile_values_quoted(head_node: dict[str, Any], source_key: str) -> None:
-    props = handler.parse_properties(head_node["props"] | {"SourceKey": source_key})
-    run_id = handler.run_id_of(props)
-    script = handler.submit_script(props, run_id)
-    workdir = head_node["tmp"] / "cwd"
-    workdir.mkdir()
-
-    first = run_bash(script, head_node["env"], workdir)
-    second = run_bash(script, head_node["env"], workdir)  # the source is fetched once
-
-    assert first.returncode == 0, first.stderr
-    assert second.returncode == 0, second.stderr
-    mount, runs = head_node["mount"], head_node["mount"] / "runs"
-    site_file = mount / "pipeline" / "site-default.yaml"
-    source_dir = mount / "pipeline" / "source-0a1b2c3d"
-    calls = [json.loads(line) for line in (runs / "calls.jsonl").read_text().splitlines()]
-    expected = ["submit", "--recipe", "llama31-8b-cpt", "--run-id", run_id, "--site", str(site_file), *HOSTILE]
-    assert calls == [expected, expected]
-    parsed = build_parser().parse_args(expected)  # what the stand-in recorded, the real CLI accepts
-    assert (parsed.command, parsed.site, parsed.overrides) == ("submit", site_file, HOSTILE)
-    assert not list(head_node["tmp"].rglob("pwned*"))
-    aws_calls = (head_node["tmp"] / "aws.log").read_text().splitlines()
-    recursive = "--recursive " if source_key.endswith("/") else ""
-    assert len(aws_calls) == 1 and aws_calls[0].startswith(
-        f"s3 cp {recursive}--only-show-errors s3://cdk-hnb659fds-assets-123456789012-us-west-2/{source_key} "
-    )
-    assert (source_dir / "training" / "__main__.py").is_file()
-    # The shared environment is brought up to date from the shipped lock before each submission.
-    sync = (
-        f"--env-only --node-type head --neuron-release 2.28.1 --shared-env /fsx/envs/neuron-2.28.1 "
-        f"--requirements {source_dir}/assets/node/cluster-requirements.txt"
-    )
-    assert (head_node["tmp"] / "bootstrap.log").read_text().splitlines() == [sync, sync]
-    assert not [p for p in (mount / "pipeline").iterdir() if p.name.startswith(".source-")]  # staging removed
-    # The nodes' monitoring units run `<mount>/pipeline/current`: a relative link to this source, moved in one
-    # rename (no temporary link left behind).
-    current = mount / "pipeline" / "current"
-    assert current.is_symlink() and os.readlink(current) == source_dir.name
-    assert (current / "training" / "__main__.py").is_file()
-    assert not [p for p in (mount / "pipeline").iterdir() if p.name.startswith("current.")]
-    site = json.loads(site_file.read_text())
-    assert site == head_node["site"] | {
-        "setup": [f"export PYTHONPATH={source_dir}${{PYTHONPATH:+:${{PYTHONPATH}}}}", "ulimit -n 65536"]
-    }
-    run = handler.parse_run_line(second.stdout)
-    assert run is not None and run["run_id"] == run_id
-    assert handler.job_ids(run) == "prepare=1,train=2"
-    assert second.stdout.splitlines()[-1].startswith(handler.MARKER)
-
-
-def test_submit_script_fails_with_the_cli_error(head_node: dict[str, Any]) -> None:
-    props = handler.parse_properties(head_node["props"] | {"Recipe": "broken"})
-    done = run_bash(handler.submit_script(props, handler.run_id_of(props)), head_node["env"], head_node["tmp"])
-    assert done.returncode == 2
-    assert handler.parse_run_line(done.stdout) is None
-    assert handler.output_tail(done.stdout, done.stderr).endswith(
-        "error: sbatch --parsable failed: sbatch: error: invalid partition"
-    )
-
-
-def test_cancel_script_cancels_nothing_before_a_submission_and_fails_with_the_cli_error(
-    head_node: dict[str, Any],
-) -> None:
-    props = handler.parse_properties(head_node["props"])
-    run_id = handler.run_id_of(props)
-    cancel = handler.cancel_script(props, run_id)
-
-    nothing = run_bash(cancel, head_node["env"], head_node["tmp"])  # never submitted: no source, no site file
-    assert nothing.returncode == 0 and "nothing to cancel" in nothing.stdout
-
-    assert run_bash(handler.submit_script(props, run_id), head_node["env"], head_node["tmp"]).returncode == 0
-    (head_node["mount"] / "runs" / "cancel-fails").touch()
-    failed = run_bash(cancel, head_node["env"], head_node["tmp"])  # the stand-in's `training cancel` exits 2
-    assert failed.returncode == 2
-    assert handler.output_tail(failed.stdout, failed.stderr).endswith("error: scancel failed: Invalid job id specified")
-    calls = [json.loads(line) for line in (head_node["mount"] / "runs" / "calls.jsonl").read_text().splitlines()]
-    assert calls[-1] == [
-        "cancel",
-        "--run-id",
-        run_id,
-        "--site",
-        str(head_node["mount"] / "pipeline" / "site-default.yaml"),
-    ]
-    assert build_parser().parse_args(calls[-1]).run_id == run_id
-
-
-@pytest.mark.parametrize("export_optimizer", ["false", "true"])
-def test_cancel_script_keeps_optimizer_state_out_of_the_export_unless_asked(
-    head_node: dict[str, Any], export_optimizer: str
-) -> None:
-    props = handler.parse_properties(head_node["props"] | {"ExportOptimizerState": export_optimizer})
-    run_id = handler.run_id_of(props)
-    assert run_bash(handler.submit_script(props, run_id), head_node["env"], head_node["tmp"]).returncode == 0
-    runs = head_node["mount"] / "runs"
-    for step in ("step_5", "step_10"):
-        for part in ("model", "optim"):
-            (runs / run_id / "checkpoints" / step / part).mkdir(parents=True)
-            (runs / run_id / "checkpoints" / step / part / "dp_rank_00_tp_rank_00_pp_rank_00.pt").write_text(part)
-
-    done = run_bash(handler.cancel_script(props, run_id), head_node["env"], head_node["tmp"])
-
-    assert done.returncode == 0, done.stderr
-    checkpoints = runs / run_id / "checkpoints"
-    assert (checkpoints / "step_10" / "model").is_dir() and (checkpoints / "step_5" / "model").is_dir()
-    aside = head_node["mount"] / ".not-exported" / run_id / "checkpoints"
-    if export_optimizer == "true":
-        assert (checkpoints / "step_10" / "optim").is_dir() and not aside.exists()
-    else:
-        assert not list(checkpoints.glob("*/optim"))  # the export copies runs/: no optimizer state in it
-        assert (aside / "step_10" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").read_text() == "optim"
-        assert f"not exported (optimizer state): {run_id}/checkpoints/step_5/optim" in done.stdout
-
-
-# --- Pure helpers -----------------------------------------------------------------------------------------
-
-
-def test_output_tail_keeps_stderr_and_the_last_lines() -> None:
-    stdout = "\n".join(f"out {i}" for i in range(30))
-    assert handler.output_tail(stdout, "error: boom\n") == " | ".join(
-        [f"out {i}" for i in range(11, 30)] + ["error: boom"]
-    )
-    assert handler.output_tail("", "") == "(no output)"
-
-
-def test_reason_is_one_bounded_line_keeping_the_end() -> None:
-    reason = handler.one_line("start\n" + "x" * 5000 + "\nerror: the end")
-    assert "\n" not in reason and len(reason) <= handler.MAX_REASON
-    assert reason.startswith("start ") and reason.endswith("error: the end")
-
-
-def test_parse_run_line_takes_the_last_marker_line() -> None:
-    text = f'{handler.MARKER}{{"run_id": "old"}}\nnoise\n{handler.MARKER}{{"run_id": "new"}}\ntrailing\n'
-    assert handler.parse_run_line(text) == {"run_id": "new"}
-    assert handler.parse_run_line(f"{handler.MARKER}not json") is None
-    assert handler.parse_run_line("nothing") is None

@@ -21,7 +21,7 @@ REQUESTS = (
     (
         "ssm:sendcommand",
         {"instance", "document", "bucket"},
-        "assets/lambda/pipeline_trigger/handler.py: SendCommand with OutputS3BucketName",
+        "assets/lambda/pipeline_trigger/trigger_aws.py: SendCommand with OutputS3BucketName",
     ),
 )
 

@@ -13,7 +13,7 @@ from stacks.cluster import Cluster
 from stacks.config import PARALLELCLUSTER_VERSION
 from stacks.network import Network
 from stacks.pcluster_config import build_cluster_configuration
-from stacks.pipeline import Pipeline
+from stacks.pipeline_trigger import PipelineTrigger
 from stacks.storage import Storage
 from tests.infra.conftest import Synthesized
 
@@ -490,7 +490,7 @@ def test_tags_reach_stack_resources_and_cluster(default_env: Synthesized) -> Non
 
 def test_constructs_take_narrow_keyword_only_arguments() -> None:
     """Only the stack reads the whole environment; each construct gets the settings and resources it uses."""
-    for construct in (Network, Storage, Cluster, Pipeline):
+    for construct in (Network, Storage, Cluster, PipelineTrigger):
         parameters = list(inspect.signature(construct.__init__).parameters.values())
         assert [p.name for p in parameters[:3]] == ["self", "scope", "construct_id"]
         assert {p.kind for p in parameters[3:]} == {inspect.Parameter.KEYWORD_ONLY}, construct.__name__

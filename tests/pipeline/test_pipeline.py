@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.support.parallelcluster_shell import (
     load_pipeline_handler,
+    load_pipeline_trigger_module,
     non_login_environment,
     parallelcluster_path,
     run_script,
@@ -37,6 +38,8 @@ from training.train.loop import KILL_AT_STEP
 TIMEOUT = 600
 ROOT = Path(__file__).resolve().parents[2]
 handler = load_pipeline_handler()
+parsing = load_pipeline_trigger_module("trigger_properties")
+scripts = load_pipeline_trigger_module("trigger_scripts")
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +109,7 @@ def site(slurm: Any, mount: Path) -> Site:
 
 def custom_resource_properties(site: Site, mount: Path, recipe: str, recipe_overrides: list[str], run: int = 1) -> Any:
     """The pipeline custom resource's properties for this machine's "cluster"."""
-    return handler.parse_properties(
+    return parsing.parse_properties(
         {
             "HeadNodeInstanceId": "i-0123456789abcdef0",
             "ClusterName": "local",
@@ -152,10 +155,10 @@ def reference_runs(
             site, mount, recipe, overrides(sources[name], "steps=10", "checkpoint.every=5")
         )
         done = head_node_script(
-            handler.submit_script(props, name), node_path, tmp_path_factory.mktemp(f"submit-{name}")
+            scripts.submit_script(props, name), node_path, tmp_path_factory.mktemp(f"submit-{name}")
         )
         assert done.returncode == 0, done.stdout + done.stderr
-        record = handler.parse_run_line(done.stdout)
+        record = scripts.parse_run_line(done.stdout)
         assert record is not None and record["run_id"] == name, done.stdout
         submitted[name] = Path(site.runs_root) / name
     # Submitting a run that is queued or running does nothing.
@@ -604,18 +607,18 @@ def test_custom_resource_cancel_stops_every_job_of_the_run(
     props = custom_resource_properties(
         site, mount, "tiny-llama-cpt", overrides(sources["llama"], "steps=4", "checkpoint.every=2")
     )
-    submitted = head_node_script(handler.submit_script(props, "llama-cancelled"), node_path, tmp_path)
+    submitted = head_node_script(scripts.submit_script(props, "llama-cancelled"), node_path, tmp_path)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     run_dir = Path(site.runs_root) / "llama-cancelled"
 
-    cancelled = head_node_script(handler.cancel_script(props, "llama-cancelled"), node_path, tmp_path)
+    cancelled = head_node_script(scripts.cancel_script(props, "llama-cancelled"), node_path, tmp_path)
 
     assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
     jobs = json.loads((run_dir / "run.json").read_text())["submissions"][0]["jobs"]
     assert f"cancelled jobs {', '.join(sorted(jobs.values(), key=int))}" in cancelled.stdout
     final = states(run_dir)
     assert final["train"] == "CANCELLED" and not set(final.values()) & runs.ACTIVE_STATES
-    again = head_node_script(handler.cancel_script(props, "llama-cancelled"), node_path, tmp_path)
+    again = head_node_script(scripts.cancel_script(props, "llama-cancelled"), node_path, tmp_path)
     assert again.returncode == 0 and "cancelled jobs (none active)" in again.stdout, again.stderr
     site_file = mount / "pipeline" / "site-local.yaml"
     monkeypatch.setenv("TRAINING_SITE", str(site_file))  # instead of --site

@@ -14,11 +14,12 @@ import subprocess
 from pathlib import Path
 from types import ModuleType
 
-from tests.support.lambda_handlers import load_handler_file
+from tests.support.lambda_handlers import import_handler_module, load_handler_file
 from training.local.slurm_config import CLIENT_COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
-HANDLER_FILE = ROOT / "assets" / "lambda" / "pipeline_trigger" / "handler.py"
+HANDLER_DIR = ROOT / "assets" / "lambda" / "pipeline_trigger"
+HANDLER_FILE = HANDLER_DIR / "handler.py"
 # Where a default Ubuntu SSM shell looks for commands (its PATH), in order.
 SYSTEM_DIRECTORIES = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
@@ -64,3 +65,10 @@ def run_script(script: str, env: dict[str, str], cwd: Path, timeout: float = 120
 def load_pipeline_handler() -> ModuleType:
     """The pipeline custom resource's handler, loaded from its file as the Lambda runtime loads it."""
     return load_handler_file(HANDLER_FILE, "pipeline_trigger_handler")
+
+
+def load_pipeline_trigger_module(module_name: str) -> ModuleType:
+    """A module beside the pipeline custom resource's handler (`trigger_properties`, `trigger_scripts`,
+    `trigger_aws`, `trigger_phases`), the one the handler imports."""
+    load_pipeline_handler()
+    return import_handler_module(HANDLER_DIR, module_name)

@@ -90,8 +90,9 @@ def source_hash(root: Path = ROOT) -> str:
     return digest.hexdigest()
 
 
-class Pipeline(Construct):
-    """The training pipeline tied to the stack's lifecycle (see the module docstring).
+class PipelineTrigger(Construct):
+    """The deploy trigger of the training pipeline, tied to the stack's lifecycle (see the module docstring).
+    Its construct id stays "Pipeline" in the stack, which keeps the resources' logical ids.
 
     `handler_access` is what the stack grants the handlers on the cluster and the storage (commands to the
     head node, their output in the bucket, exports of the file system); it leads the handler role's policy.
@@ -119,20 +120,7 @@ class Pipeline(Construct):
         super().__init__(scope, construct_id)
         digest = source_hash()
         prefix = f"{SOURCE_PREFIX}{digest}/"
-        self.source = s3_deployment.BucketDeployment(
-            self,
-            "Source",
-            sources=[s3_deployment.Source.asset(str(ROOT), exclude=list(SOURCE_EXCLUDE))],
-            destination_bucket=bucket,
-            destination_key_prefix=prefix,
-            prune=False,  # earlier commits' sources stay: their runs may still read them
-            retain_on_delete=True,
-            memory_limit=512,
-            log_group=deployment_logs,  # the handler's own log group would outlive the stack, unexpiring
-        )
-
-        handler_code = lambda_.Code.from_asset(str(HANDLER_DIR), exclude=["__pycache__", "*.pyc"])
-        stack = Stack.of(self)
+        self.source = self._ship_source(bucket, prefix, deployment_logs)
         self.handler_role = iam.Role(
             self,
             "HandlerRole",
@@ -141,33 +129,8 @@ class Pipeline(Construct):
         )
         for statement in handler_access:
             self.handler_role.add_to_policy(statement)
-        functions = {}
-        for name, entry in (("OnEvent", "handler.on_event"), ("IsComplete", "handler.is_complete")):
-            logs = log_group_with_retention(self, f"{name}Logs", log_retention_days)
-            logs.grant_write(self.handler_role)  # its own log groups, instead of the broad basic-execution policy
-            functions[name] = lambda_.Function(
-                self,
-                name,
-                runtime=lambda_.Runtime.PYTHON_3_14,
-                handler=entry,
-                code=handler_code,
-                role=self.handler_role,
-                timeout=Duration.minutes(1),
-                memory_size=256,
-                log_group=logs,
-            )
         timeout = Duration.minutes(pipeline.timeout_minutes)
-        # The handlers fail with their own reason at `timeout`; the framework's bound comes later.
-        framework_timeout = Duration.seconds(timeout.to_seconds() + 120)
-        self.provider = cr.Provider(
-            self,
-            "Provider",
-            on_event_handler=functions["OnEvent"],
-            is_complete_handler=functions["IsComplete"],
-            query_interval=Duration.seconds(10),
-            total_timeout=framework_timeout,
-            log_group=log_group_with_retention(self, "ProviderLogs", log_retention_days),
-        )
+        self.provider = self._provider(timeout, log_retention_days)
         self.resource = CustomResource(
             self,
             "Resource",
@@ -185,7 +148,7 @@ class Pipeline(Construct):
                 "SourceBucket": bucket.bucket_name,
                 "SourceKey": prefix,
                 "SourceHash": digest,
-                "SiteSettings": stack.to_json_string(dict(site_settings)),
+                "SiteSettings": Stack.of(self).to_json_string(dict(site_settings)),
                 "SharedEnvironmentPath": shared_environment.path,
                 "NeuronRelease": shared_environment.neuron_release,
                 "FileSystemId": file_system.file_system_id,
@@ -204,6 +167,52 @@ class Pipeline(Construct):
         self.run_dir = self.resource.get_att_string("RunDir")
         self.job_ids = self.resource.get_att_string("JobIds")
         self.run_status = self.resource.get_att_string("RunStatus")
+
+    def _ship_source(
+        self, bucket: s3.IBucket, prefix: str, deployment_logs: logs.ILogGroup
+    ) -> s3_deployment.BucketDeployment:
+        """This commit's shipped files under `prefix` of the bucket, where the head node fetches them."""
+        return s3_deployment.BucketDeployment(
+            self,
+            "Source",
+            sources=[s3_deployment.Source.asset(str(ROOT), exclude=list(SOURCE_EXCLUDE))],
+            destination_bucket=bucket,
+            destination_key_prefix=prefix,
+            prune=False,  # earlier commits' sources stay: their runs may still read them
+            retain_on_delete=True,
+            memory_limit=512,
+            log_group=deployment_logs,  # the handler's own log group would outlive the stack, unexpiring
+        )
+
+    def _provider(self, timeout: Duration, log_retention_days: int) -> cr.Provider:
+        """The Provider framework around the two handlers (`handler.on_event`, `handler.is_complete`), each
+        on the handler role, logging to a log group of its own."""
+        handler_code = lambda_.Code.from_asset(str(HANDLER_DIR), exclude=["__pycache__", "*.pyc"])
+        functions = {}
+        for name, entry in (("OnEvent", "handler.on_event"), ("IsComplete", "handler.is_complete")):
+            log_group = log_group_with_retention(self, f"{name}Logs", log_retention_days)
+            log_group.grant_write(self.handler_role)  # its own log groups, not the broad basic-execution policy
+            functions[name] = lambda_.Function(
+                self,
+                name,
+                runtime=lambda_.Runtime.PYTHON_3_14,
+                handler=entry,
+                code=handler_code,
+                role=self.handler_role,
+                timeout=Duration.minutes(1),
+                memory_size=256,
+                log_group=log_group,
+            )
+        # The handlers fail with their own reason at `timeout`; the framework's bound comes later.
+        return cr.Provider(
+            self,
+            "Provider",
+            on_event_handler=functions["OnEvent"],
+            is_complete_handler=functions["IsComplete"],
+            query_interval=Duration.seconds(10),
+            total_timeout=Duration.seconds(timeout.to_seconds() + 120),
+            log_group=log_group_with_retention(self, "ProviderLogs", log_retention_days),
+        )
 
     def _accept_redundant_role_dependencies(self) -> None:
         """Scope cfn-lint's W3005 exception to the Lambda functions and the state machine built here and
