@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from training.config.model import IGNORE_INDEX
 from training.data.block_writer import BlockWriter
 from training.data.chat import BadExample, ChatRenderer, validate_messages
 from training.data.mixing import MixSource, MixStats, check_mix, concatenate, mix
-from training.config.model import IGNORE_INDEX
 from training.data.packing import Example, PackStats, pack_examples
 from training.data.prepared import (
     batches,
