@@ -1,14 +1,17 @@
 """Training step time on CPU, in one run: our model (tp=1, the training job's code) against transformers' model
 of the same config and weights, and our model's activation checkpointing against none.
 
-    python benchmarks/bench_train.py [--steps 10] [--rounds 3] [--models llama mixtral]
+    python benchmarks/bench_train.py [--steps 10] [--rounds 3] [--models llama mixtral] [--threads N] [--profile]
 
 A step is forward, backward and an AdamW update on one batch, as the training job does it. All models get
 the same weights (ours loaded from the converter's nxd output) and the same batches; rounds alternate the
 models so a slow spell of the machine hits all of them, and each model's median step counts. Prints:
 
 - ours (flash attention, the kernel transformers' sdpa attention uses too) against transformers
-  (target: within 1.1x);
+  (target: within 1.1x), with the spread of the per-round ratios: on a busy machine a single median moves by
+  more than the target's margin, and the spread shows whether a difference is the code or the machine;
+- with `--profile`, where the time goes: the operators whose time per step differs most between ours and
+  transformers (torch.profiler, self CPU time);
 - selective and full activation checkpointing against none, all with materialised attention scores (the
   planner's terms), with the bytes autograd keeps for backward (tests/support/saved_tensors.py) and how much
   of them each saves (targets: selective at most 1.15x the step time, full at most 1.4x).
@@ -81,17 +84,43 @@ def saved_bytes(model: Any, input_ids: torch.Tensor) -> int:
     return saved.bytes
 
 
-def medians(
+def rounds_of(
     models: dict[str, tuple[Any, bool]], batches: list[torch.Tensor], steps: int, rounds: int
-) -> dict[str, float]:
-    """Median step time of each model, rounds alternating between them after one warm-up pass each."""
+) -> dict[str, list[float]]:
+    """Each round's median step time per model, rounds alternating between the models after one warm-up pass
+    each, so a slow spell of the machine hits all of them."""
     for model, ours in models.values():
         step_times(model, batches, ours)  # warm-up: allocator, first-call overheads
     measured: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, (model, ours) in models.items():
-            measured[name] += step_times(model, batches * (steps // 2), ours)
-    return {name: statistics.median(times) for name, times in measured.items()}
+            measured[name].append(statistics.median(step_times(model, batches * (steps // 2), ours)))
+    return measured
+
+
+def spread(ours: list[float], reference: list[float]) -> str:
+    """The per-round ratios' minimum, median and maximum."""
+    ratios = sorted(o / r for o, r in zip(ours, reference, strict=True))
+    return f"per-round ratios {ratios[0]:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f} (min / median / max)"
+
+
+def operator_times(model: Any, batches: list[torch.Tensor], ours: bool) -> dict[str, float]:
+    """Self CPU seconds per step of each operator (torch.profiler) over the given batches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        step_times(model, batches, ours)
+    return {event.key: event.self_cpu_time_total / 1e6 / len(batches) for event in profiler.key_averages()}
+
+
+def where_the_time_goes(reference: dict[str, float], ours: dict[str, float], top: int = 12) -> list[str]:
+    """The operators whose time per step differs most, with both times in milliseconds."""
+    names = sorted(set(reference) | set(ours), key=lambda name: -abs(ours.get(name, 0) - reference.get(name, 0)))
+    lines = [f"  total: transformers {sum(reference.values()) * 1e3:.1f} ms, ours {sum(ours.values()) * 1e3:.1f} ms"]
+    for name in names[:top]:
+        mine, theirs = ours.get(name, 0) * 1e3, reference.get(name, 0) * 1e3
+        lines.append(f"  {name[:58]:58s} transformers {theirs:7.1f} ms  ours {mine:7.1f} ms  ({mine - theirs:+.1f})")
+    return lines
 
 
 def step_times(model: Any, batches: list[torch.Tensor], ours: bool) -> list[float]:
@@ -114,7 +143,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="measured steps per round and model")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=["llama", "mixtral"], choices=["llama", "mixtral"])
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own choice)")
+    parser.add_argument("--profile", action="store_true", help="also print where the step time goes, per operator")
     arguments = parser.parse_args()
+    if arguments.threads:
+        torch.set_num_threads(arguments.threads)
     from training.model import parallel
 
     parallel.initialize(tp=1, backend="cpu")
@@ -132,11 +165,19 @@ def main() -> None:
             }
             for mode in ("none", "selective", "full"):
                 models[mode] = (our_model(work / "hf", work, activation_checkpointing=mode).train(), True)
-            times = medians(models, batches, arguments.steps, arguments.rounds)
+            measured = rounds_of(models, batches, arguments.steps, arguments.rounds)
+            times = {name: statistics.median(values) for name, values in measured.items()}
             print(
                 f"{architecture}: ours {times['ours']:.4f}, transformers {times['transformers']:.4f}: "
-                f"ours is {times['ours'] / times['transformers']:.2f}x the transformers step time (target <= 1.1x)"
+                f"ours is {times['ours'] / times['transformers']:.2f}x the transformers step time (target <= 1.1x); "
+                + spread(measured["ours"], measured["transformers"])
             )
+            if arguments.profile:
+                profiled = {
+                    name: operator_times(models[name][0], batches, models[name][1]) for name in ("transformers", "ours")
+                }
+                print(f"{architecture}: where the step time goes (self CPU time per step, largest differences)")
+                print("\n".join(where_the_time_goes(profiled["transformers"], profiled["ours"])))
             kept = {mode: saved_bytes(models[mode][0], batches[0]) for mode in ("none", "selective", "full")}
             for mode, target in (("selective", 1.15), ("full", 1.4)):
                 print(
