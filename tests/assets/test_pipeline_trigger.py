@@ -29,6 +29,7 @@ from botocore.stub import Stubber
 from moto import mock_aws
 
 from tests.support.parallelcluster_shell import load_pipeline_handler
+from tests.support.system_tools import require_tool
 from training.cli import build_parser
 from training.pipeline.runs import RUN_ID
 
@@ -1047,9 +1048,7 @@ def test_scripts_pass_bash_syntax_check_with_hostile_values() -> None:
 
 
 def test_scripts_pass_shellcheck() -> None:
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.skip("shellcheck is not on PATH: apt-get install shellcheck")
+    shellcheck = require_tool("shellcheck")
     props = handler.parse_properties(properties())  # hostile values are run for real below (they'd be SC2016)
     run_id = handler.run_id_of(props)
     for script in (handler.submit_script(props, run_id), handler.cancel_script(props, run_id)):

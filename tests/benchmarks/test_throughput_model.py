@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES
-from tests.conftest import ROOT
+from tests.support.repository import ROOT
 from training.config.recipe import load_recipe
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized
+from tests.support.repository import ROOT
+from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized
 
 
 def npx_cdk_synth(env_name: str, outdir: Path) -> subprocess.CompletedProcess[str]:

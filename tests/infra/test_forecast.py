@@ -14,7 +14,7 @@ import pytest
 from stacks.config import load_environment
 from stacks.cost import run_usd_per_hour
 from stacks.instance_types import COMPUTE_INSTANCE_TYPES
-from tests.conftest import ROOT
+from tests.support.repository import ROOT
 from training.cli import main
 from training.config.recipe import load_recipe
 from training.model.transformer import model_flops_per_token

@@ -15,8 +15,8 @@ from aws_cdk import aws_s3_assets as s3_assets
 from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import load_environment
 from stacks.pipeline import SOURCE_EXCLUDE, SOURCE_PARTS, source_files, source_hash
-from tests.conftest import ROOT
-from tests.infra.conftest import Synthesized, synthesize_config
+from tests.support.repository import ROOT
+from tests.support.synthesis import Synthesized, synthesize_config
 
 
 def pipeline_resource(env: Synthesized) -> tuple[str, dict[str, Any]]:

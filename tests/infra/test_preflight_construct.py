@@ -9,7 +9,7 @@ from typing import Any
 from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import load_environment
 from stacks.preflight import READ_ACTIONS
-from tests.infra.conftest import Synthesized, synthesize_config
+from tests.support.synthesis import Synthesized, synthesize_config
 
 BILLING = ("AWS::EC2::NatGateway", "AWS::EC2::EIP", "AWS::FSx::FileSystem", "Custom::PclusterCluster")
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.system_tools import require_tool
 from training.cli import main
 from training.config.loading import ONE_LINE, ConfigError
 from training.config.recipe import RECIPES_DIR, Recipe, load_recipe
@@ -149,7 +150,10 @@ def run_script(world: World, stage: str, text: str, nodes: int, **environment: s
     # Values such as '$(touch PWNED)' are single-quoted on purpose: shellcheck's note that they do not expand
     # (SC2016) is the point here, anything above a note is not.
     lint = subprocess.run(
-        ["shellcheck", "-s", "bash", "--severity=warning", str(script)], capture_output=True, text=True, check=False
+        [require_tool("shellcheck"), "-s", "bash", "--severity=warning", str(script)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert lint.returncode == 0, f"{stage}:\n{lint.stdout}"
     world.records.unlink(missing_ok=True)

@@ -11,7 +11,7 @@ Two interchangeable backends with the same tensor-parallel semantics:
 Each name is declared once, below, as a typed function with a docstring and a `@neuron(module, attribute)`
 line naming what it is on Trainium (a neuronx-distributed class or function, release 2.28). The declaration is
 the contract: the `neuron` backend imports `module.attribute` and calls it with the caller's arguments; the
-`cpu` backend defines the same name with exactly the declared signature; tests/training/test_parallel_facade.py
+`cpu` backend defines the same name with exactly the declared signature; tests/training/model/test_parallel_facade.py
 checks both, and checks the declarations against neuronx-distributed's own source.
 
 Rank arrangement (both backends, as neuronx-distributed's `initialize_model_parallel`): the world is

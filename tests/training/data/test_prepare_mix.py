@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from tests.training.conftest import sample_documents, write_jsonl
 from training.cli import main
 from training.config.recipe import load_recipe
 from training.data.mixing import MixSource, mix
 from training.data.prepare import PretrainOptions, SftOptions, data_sha256, prepare_pretrain, prepare_sft
 from training.errors import UserError
+from training.local.tiny import sample_documents, write_jsonl
 
 BIG = sample_documents(300, seed=1)
 SMALL = sample_documents(40, seed=2)

@@ -38,7 +38,7 @@ from training.formats.readers import (
 )
 from training.formats.writers import SafetensorsWriter, TorchFileWriter, XserWriter, safetensors_save_order
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Makes torch compute each storage's offset from the previous one (miniz's layout rules) instead of reading
 # its local header; with TORCH_SERIALIZATION_DEBUG=1 torch also asserts both agree.
 OFFSETS_FROM_LAYOUT = serialization_config.patch({"load.calculate_storage_offsets": True})  # type: ignore[attr-defined]

@@ -33,7 +33,7 @@ from training.pipeline.evaluate import (
     weight_bytes,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY_TASK = {"name": "tiny_choice", "limit": 12}
 
 

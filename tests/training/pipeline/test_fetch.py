@@ -78,7 +78,7 @@ def revision(hub: HubStandin) -> str:
 
 def recipe_file(tmp_path: Path, hub: HubStandin, *, repo: str = REPO, rev: str | None = None) -> Path:
     """The tiny Llama recipe downloading its model from the stand-in into tmp_path/models/Tiny-Llama."""
-    text = (Path(__file__).resolve().parents[2] / "training/train/recipes/tiny-llama-cpt.yaml").read_text()
+    text = (Path(__file__).resolve().parents[3] / "training/train/recipes/tiny-llama-cpt.yaml").read_text()
     text = text.replace(
         "  config: work/tiny-llama/hf\n",
         f"  config: {tmp_path / 'models' / 'Tiny-Llama'}\n  hub:\n    repo: {repo}\n"

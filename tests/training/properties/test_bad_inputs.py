@@ -1,8 +1,8 @@
 """Bad inputs to `python -m training` as a new user (or someone probing it) gives them: each ends in exactly one
 `error:` line naming the input and what is allowed, exit status 2, and nothing left behind (no output, no
 temporary sibling, no checkpoint directory). Malformed checkpoints and safetensors are in
-tests/training/test_untrusted_files.py, settings out of range in tests/training/test_setting_ranges.py,
-the environment file in tests/infra/test_config.py."""
+tests/training/properties/test_untrusted_files.py, settings out of range in
+tests/training/properties/test_setting_ranges.py, the environment file in tests/infra/test_config.py."""
 
 from __future__ import annotations
 

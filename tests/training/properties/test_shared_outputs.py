@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
 from tests.support.moto_server import moto_endpoint
-from tests.training.tiny_models import llama
+from tests.support.repository import ROOT
+from tests.support.tiny_models import llama
 from training import outputs
 from training.cli import main
 from training.errors import UserError
