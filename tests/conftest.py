@@ -28,13 +28,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # two clusters (MASTER_PORT = 31000 + job id % 100, and every cluster numbers its jobs 1, 2, ...) never meet on
 # this host. `--dist loadgroup` (the Makefile's `test`) honours the group; without xdist it is only a mark.
 SLURM_GROUP = "local-slurm"
+# tests/infra/conftest.py's session fixtures: every environment synthesized with cdk-nag (a minute or more).
+SYNTHESIS_FIXTURES = frozenset({"synthesized", "default_env", "smoke_env"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that uses the local Slurm (the `local_slurm` fixture, directly or through another fixture) is
-    marked `slurm` and put in the local Slurm's xdist group."""
+    marked `slurm` and put in the local Slurm's xdist group; one that reads a CDK synthesis is marked `slow`."""
     for item in items:
-        if "local_slurm" in getattr(item, "fixturenames", ()):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "local_slurm" in fixtures:
             item.add_marker(pytest.mark.slurm)
             item.add_marker(pytest.mark.xdist_group(SLURM_GROUP))
+        if fixtures & SYNTHESIS_FIXTURES:
+            item.add_marker(pytest.mark.slow)

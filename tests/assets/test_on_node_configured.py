@@ -22,6 +22,8 @@ import pytest
 
 from tests.support.system_tools import require_tool
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "assets" / "node" / "on_node_configured.sh"
 BASH = shutil.which("bash") or "/bin/bash"

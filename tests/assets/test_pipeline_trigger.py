@@ -33,6 +33,8 @@ from tests.support.system_tools import require_tool
 from training.cli import build_parser
 from training.pipeline.runs import RUN_ID
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[2]
 BASH = shutil.which("bash") or "/bin/bash"
 REGION = "us-west-2"

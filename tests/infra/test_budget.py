@@ -23,6 +23,8 @@ from stacks.training_environment import TrainingEnvironmentStack
 from tests.infra.test_validators import cfn_lint
 from tests.support.synthesis import Synthesized, cdk_json_context, synthesize_config
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 NAME = "budgeted"
 MONTHLY_USD = 2500.5
 STOP_PERCENT = 90

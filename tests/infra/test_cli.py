@@ -12,6 +12,8 @@ import pytest
 from tests.support.repository import ROOT
 from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 
 def npx_cdk_synth(env_name: str, outdir: Path) -> subprocess.CompletedProcess[str]:
     environ = {

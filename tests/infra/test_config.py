@@ -490,6 +490,7 @@ def run_app(context_env: str, outdir: Path, workdir: Path) -> subprocess.Complet
     )
 
 
+@pytest.mark.slow  # a CDK app in a subprocess
 def test_app_rejects_bad_environment_without_traceback_or_output(tmp_path: Path) -> None:
     (tmp_path / "environments").mkdir()
     write_environment(tmp_path / "environments", {"storage.fsx_capacity_gib": 1000}, name="zz-invalid-under-test")
@@ -504,6 +505,7 @@ def test_app_rejects_bad_environment_without_traceback_or_output(tmp_path: Path)
     assert not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.slow  # a CDK app in a subprocess
 def test_synth_refuses_a_run_forecast_above_the_budget_in_one_line(tmp_path: Path) -> None:
     """`cdk synth` of an environment whose deploy would start the 10,000-step Llama run on a $1,000 budget."""
     changes = {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000}

@@ -35,6 +35,8 @@ from stacks.training_environment import cluster_settings, node_health
 from tests.infra.test_pcluster_config import RESOURCES, resolved_configuration
 from tests.support.synthesis import Synthesized, synthesize_config
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 CLUSTER = "trn1-llama"
 FINGERPRINT = "0123456789ABCDEF0123456789ABCDEF01234567"
 # Every change of the environment file a user makes while the cluster runs jobs: more nodes (and one kept warm),

@@ -35,6 +35,8 @@ from training.model.transformer import (
     queue_positions,
 )
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 WORKER = Path(__file__).resolve().parents[2] / "support" / "model_worker.py"
 ATOL = 1e-5
 

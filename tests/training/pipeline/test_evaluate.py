@@ -33,6 +33,8 @@ from training.pipeline.evaluate import (
     weight_bytes,
 )
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[3]
 TINY_TASK = {"name": "tiny_choice", "limit": 12}
 

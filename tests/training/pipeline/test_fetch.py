@@ -26,6 +26,8 @@ from training.local.tiny import tiny_model, train_tokenizer
 from training.pipeline.hub import FETCH_MANIFEST, copy_destination, fetch_model, push_model, tokenizer_source
 from training.pipeline.runs import plan_run, render
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 REPO = "meta-llama/Tiny-Llama"
 READ_TOKEN = "hf_read_0123456789abcdefghij"
 WRITE_TOKEN = "hf_write_0123456789abcdefghij"

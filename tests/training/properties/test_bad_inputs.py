@@ -17,6 +17,8 @@ from training.cli import main
 from training.data.prepare import SftOptions, prepare_sft
 from training.local.tiny import build_tiny_world, write_jsonl
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (DEBUG|INFO|WARNING|ERROR) ")  # training.logs
 
 

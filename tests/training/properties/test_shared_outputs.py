@@ -29,6 +29,8 @@ from training.errors import UserError
 from training.local.tiny import sample_conversations, sample_documents, tiny_model, train_tokenizer, write_jsonl
 from training.outputs import Owner, atomic_directory, owner_is_gone, reusable, sibling_name, write_manifest
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 FINGERPRINT = {"inputs": "new"}
 
 

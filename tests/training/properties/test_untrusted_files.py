@@ -40,6 +40,8 @@ from training.train import checkpointing
 from training.train.checkpointing import load_training_state, load_weights, save_checkpoint
 from training.train.optimizer import TrainingOptimizer
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 EMBED = "model.embed_tokens.weight"  # F32 [64, 32] in the tiny Llama
 DTYPES = "F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL"
 SHAPES = "a list of integers of 0 or more (with a product below 2**63)"

@@ -39,6 +39,8 @@ from training.train.memory import (
 )
 from training.train.optimizer import zero1_where_it_shards
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 WORKER = ROOT / "tests" / "support" / "memory_worker.py"
 WORLD = 4
 MICRO, SEQ_LEN = 2, 64

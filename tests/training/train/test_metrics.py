@@ -34,6 +34,8 @@ from training.train.metrics import (
     read_metrics,
 )
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[3]
 NAMESPACE = "Trainium/test"
 RUN_ID = "tiny-run-1"

@@ -29,6 +29,8 @@ from training.model.transformer import Execution, build_model
 from training.train.checkpointing import _load_plain, load_pretrained
 from training.train.loop import TrainOptions, train
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 
 @pytest.fixture
 def single_process() -> Iterator[None]:

@@ -50,6 +50,8 @@ from training.train.trackers import (
     tracking_from_environment,
 )
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[3]
 RUN_ID = "tiny-tracked-1"
 REGION = "us-west-2"

@@ -21,6 +21,8 @@ from training.formats.convert import ConvertOptions, convert
 from training.train.loader import TrainingData
 from training.train.loop import KILL_AT_STEP
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (DEBUG|INFO|WARNING|ERROR) ")  # training.logs
 
 

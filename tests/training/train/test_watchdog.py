@@ -22,6 +22,8 @@ from training.train.watchdog import (
     write_stop,
 )
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 
 def test_the_first_two_steps_of_a_process_compile_and_later_step_graphs_are_late() -> None:
     watch = CompileWatch(start=0)
