@@ -39,6 +39,8 @@ from tests.support.pcluster_offline import (
 )
 from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized, cdk_json_context
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10

@@ -18,6 +18,8 @@ from stacks.nag import (
 from stacks.training_environment import cpu_stages_queue
 from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 CFN_LINT = str(Path(sys.executable).parent / "cfn-lint")
 
 
