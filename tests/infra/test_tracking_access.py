@@ -42,6 +42,8 @@ from training.config.site import Site
 from training.config.tracking import MlflowTracking, Tracking, WandbTracking
 from training.train.trackers import MlflowSender, RunFacts, close_trackers
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 SERVER_ARN = "arn:aws:sagemaker:us-west-2:123456789012:mlflow-tracking-server/llama-runs"
 SECRET_ARN = "arn:aws:secretsmanager:us-west-2:123456789012:secret:wandb-api-key-Ab12Cd"
 TRACKING = {

@@ -27,6 +27,8 @@ from training.config.site import Site, load_site
 from training.errors import UserError
 from training.pipeline.runs import RENDEZVOUS_PORTS, plan_run, processes_per_node, render
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 # A command substitution, a backtick command, both quotes and spaces: in a value, all of it is text.
 PAYLOAD = "x $(touch PWNED) `touch PWNED_TICK` ' \" y"
 # The same without whitespace or quotes, for what Slurm reads from `#SBATCH` lines and for the compile cache
