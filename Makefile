@@ -62,14 +62,15 @@ slurm-down: deps
 slurm-status: deps
 	$(VPY) -m training.local.slurm status
 
-## Lint, type-check the pure parts, then run every test: the main suite, then the neuron tier.
+## Lint, type-check the pure parts, then run every test: the main suite on two xdist workers (the local
+## Slurm's tests grouped on one of them, tests/conftest.py), then the neuron tier.
 test: deps tools lint
-	$(VPY) -m pytest
+	$(VPY) -m pytest -n 2 --dist loadgroup
 	$(MAKE) --no-print-directory test-neuron
 
-## The edit loop's subset: configuration, layouts, templates and model checks (tests/conftest.py FAST_MODULES).
+## The edit loop's subset: every test not marked `slow` or `slurm` (pyproject.toml), under 2 minutes.
 test-fast: deps
-	$(VPY) -m pytest -m fast
+	$(VPY) -m pytest -m "not slow and not slurm"
 
 ## The neuron tier: neuronx-distributed on torch-xla's CPU device, in its own environment with the cluster's
 ## locked requirement set (built once under ~/.cache/trainium-training; NXD_SOURCE: the NxD source archive).

@@ -28,6 +28,8 @@ def build_app(app: App, config: EnvironmentConfig) -> TrainingEnvironmentStack:
 
 
 def environment_from_context(app: App, directory: Path = ENVIRONMENTS_DIR) -> EnvironmentConfig:
-    """The environment chosen with `-c env=NAME` (default: `default`)."""
+    """The environment chosen with `-c env=NAME` (default: `default`), read from `-c environments_dir=DIR`
+    when given (a folder of environment files kept elsewhere, e.g. the tests' temporary ones)."""
     name = app.node.try_get_context("env") or DEFAULT_ENVIRONMENT
-    return load_environment(str(name), directory)
+    folder = app.node.try_get_context("environments_dir")
+    return load_environment(str(name), Path(str(folder)) if folder else directory)

@@ -1,14 +1,11 @@
-"""Shared by every tier (the neuron tier's environment has no CDK): the repository root, no AWS look-ups,
-and no skipped test in CI."""
+"""Shared by every tier (the neuron tier's environment has no CDK): no AWS look-ups, no skipped test in CI, and
+the `slurm` mark with its xdist group. Fixtures and hooks only: what tests import is in tests/support."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # No credentials and no instance metadata look-ups, ever, in any test.
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
@@ -27,24 +24,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-# The edit loop's subset (`make test-fast`, `pytest -m fast`): pure configuration, layout, template and model
-# checks that need no Slurm, no torchrun, no CDK synth and no neuron tier; a few minutes on 2 cores.
-FAST_MODULES = frozenset(
-    {
-        "tests/training/test_recipe.py",
-        "tests/training/test_site.py",
-        "tests/training/test_setting_ranges.py",
-        "tests/training/test_loader.py",
-        "tests/training/test_layouts.py",
-        "tests/training/test_recompute.py",
-        "tests/training/test_throughput_model.py",
-        "tests/pipeline/test_templates.py",
-        "tests/pipeline/test_job_settings.py",
-    }
-)
+# The local Slurm's tests all run on one xdist worker: a single local cluster at a time, so the torchrun jobs of
+# two clusters (MASTER_PORT = 31000 + job id % 100, and every cluster numbers its jobs 1, 2, ...) never meet on
+# this host. `--dist loadgroup` (the Makefile's `test`) honours the group; without xdist it is only a mark.
+SLURM_GROUP = "local-slurm"
+# tests/infra/conftest.py's session fixtures: every environment synthesized with cdk-nag (a minute or more).
+SYNTHESIS_FIXTURES = frozenset({"synthesized", "default_env", "smoke_env"})
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that uses the local Slurm (the `local_slurm` fixture, directly or through another fixture) is
+    marked `slurm` and put in the local Slurm's xdist group; one that reads a CDK synthesis is marked `slow`."""
     for item in items:
-        if item.path.relative_to(ROOT).as_posix() in FAST_MODULES:
-            item.add_marker(pytest.mark.fast)
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "local_slurm" in fixtures:
+            item.add_marker(pytest.mark.slurm)
+            item.add_marker(pytest.mark.xdist_group(SLURM_GROUP))
+        if fixtures & SYNTHESIS_FIXTURES:
+            item.add_marker(pytest.mark.slow)

@@ -26,6 +26,8 @@ from pcluster.models.compute_fleet_status_manager import ComputeFleetStatus, Com
 from stacks.config import PARALLELCLUSTER_VERSION
 from tests.support.lambda_handlers import load_handler_file
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[2]
 HANDLER_FILE = ROOT / "assets" / "lambda" / "budget_guard" / "handler.py"
 REGION = "us-west-2"

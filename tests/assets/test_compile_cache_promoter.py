@@ -29,6 +29,8 @@ from training.config.site import Site
 from training.pipeline import compile_cache
 from training.pipeline.runs import plan_run
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[2]
 handler = load_handler_file(ROOT / "assets" / "lambda" / "compile_cache_promoter" / "handler.py", "cache_promoter")
 BUCKET = "results-bucket"

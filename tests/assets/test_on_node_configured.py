@@ -20,6 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.system_tools import require_tool
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "assets" / "node" / "on_node_configured.sh"
 BASH = shutil.which("bash") or "/bin/bash"
@@ -117,9 +121,7 @@ def test_bash_syntax() -> None:
 
 
 def test_shellcheck() -> None:
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.skip("shellcheck is not on PATH: apt-get install shellcheck")
+    shellcheck = require_tool("shellcheck")
     result = subprocess.run([shellcheck, "--severity=style", str(SCRIPT)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -770,9 +772,7 @@ def monitored_mount(tmp_path: Path):
 
 
 def test_units_pass_systemd_analyze_verify(monitored_mount) -> None:
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not on PATH (package systemd)")
+    analyze = require_tool("systemd-analyze")
     _, units = monitored_mount
     result = subprocess.run([analyze, "verify", *map(str, units.values())], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -838,8 +838,14 @@ def test_units_are_installed_and_started_and_a_failing_systemctl_is_only_a_warni
 # ----------------------------------------------------------------------------- node settings, Neuron apt key
 
 RECORD_URI = "s3://results-bucket/trust/neuron-apt-key.fingerprint"
-GPG = shutil.which("gpg")
-needs_gpg = pytest.mark.skipif(GPG is None, reason="gpg is not on PATH: apt-get install gnupg (make tools)")
+
+
+@pytest.fixture
+def gpg_tool() -> str:
+    return require_tool("gpg")
+
+
+needs_gpg = pytest.mark.usefixtures("gpg_tool")
 
 # An `aws` stand-in for the S3 calls of the bootstrap: objects are files under S3_ROOT/<bucket>/<key>; a put with
 # If-None-Match fails with S3's 412 when the object exists, and one without it is refused as the node policy
@@ -885,8 +891,7 @@ else:
 @pytest.fixture(scope="module")
 def neuron_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
     """Two OpenPGP public keys made with real gpg (armored, as Neuron publishes its key), by fingerprint."""
-    if GPG is None:
-        pytest.skip("gpg is not on PATH: apt-get install gnupg (make tools)")
+    gpg_path = require_tool("gpg")
     home = tmp_path_factory.mktemp("gnupg")
     home.chmod(0o700)
     keys: dict[str, tuple[Path, str]] = {}
@@ -895,7 +900,7 @@ def neuron_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
 
         def gpg(*args: str) -> str:
             done = subprocess.run(
-                [GPG, "--homedir", str(home), "--batch", *args], capture_output=True, text=True, check=True
+                [gpg_path, "--homedir", str(home), "--batch", *args], capture_output=True, text=True, check=True
             )
             return done.stdout
 
@@ -1120,7 +1125,7 @@ def test_apt_trusts_the_key_only_after_the_check(trust_world, neuron_keys, tmp_p
     assert accepted.returncode == 0, accepted.stderr
     assert source_list.read_text() == f"deb [signed-by={keyring}] https://apt.repos.neuron.amazonaws.com jammy main\n"
     listing = subprocess.run(
-        [GPG or "gpg", "--show-keys", "--with-colons", str(keyring)], capture_output=True, text=True, check=True
+        [require_tool("gpg"), "--show-keys", "--with-colons", str(keyring)], capture_output=True, text=True, check=True
     ).stdout
     assert f"fpr:::::::::{fingerprint}:" in listing, "the keyring apt reads holds the checked key"
 
@@ -1178,9 +1183,7 @@ def test_dry_runs_and_other_node_types_record_no_arguments(node_files, tmp_path:
 
 def test_the_shared_env_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     """The unit the head node writes for the background build, as systemd would load it."""
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not on PATH (package systemd)")
+    analyze = require_tool("systemd-analyze")
     copy = tmp_path / "on_node_configured.sh"
     copy.write_bytes(SCRIPT.read_bytes())
     unit = tmp_path / "trainium-shared-env.service"

@@ -27,6 +27,8 @@ from tests.support.parallelcluster_shell import load_pipeline_handler, load_pipe
 from tests.support.pipeline_trigger import FILE_SYSTEM, HEAD_NODE, OUTPUT_BUCKET, SITE, properties
 from training.pipeline.runs import RUN_ID
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[2]
 BASH = shutil.which("bash") or "/bin/bash"
 REGION = "us-west-2"

@@ -19,6 +19,7 @@ import pytest
 
 from tests.support.parallelcluster_shell import load_pipeline_trigger_module
 from tests.support.pipeline_trigger import SITE, properties
+from tests.support.system_tools import require_tool
 from training.cli import build_parser
 
 BASH = shutil.which("bash") or "/bin/bash"
@@ -127,9 +128,7 @@ def test_scripts_pass_bash_syntax_check_with_hostile_values() -> None:
 
 
 def test_scripts_pass_shellcheck() -> None:
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.skip("shellcheck is not on PATH: apt-get install shellcheck")
+    shellcheck = require_tool("shellcheck")
     props = parsing.parse_properties(properties())  # hostile values are run for real below (they'd be SC2016)
     run_id = parsing.run_id_of(props)
     for script in (scripts.submit_script(props, run_id), scripts.cancel_script(props, run_id)):

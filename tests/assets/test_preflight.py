@@ -23,6 +23,8 @@ from stacks.config import load_environment
 from stacks.preflight import preflight_checks
 from tests.support.lambda_handlers import load_handler_file
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[2]
 handler = load_handler_file(ROOT / "assets" / "lambda" / "preflight" / "handler.py", "preflight_handler")
 REGION = "us-west-2"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.repository import ROOT
 from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 

@@ -20,8 +20,10 @@ from stacks.budget import BudgetGuard
 from stacks.config import ENVIRONMENTS_DIR, EnvironmentConfig, load_environment
 from stacks.notifications import Notifications
 from stacks.training_environment import TrainingEnvironmentStack
-from tests.infra.conftest import Synthesized, cdk_json_context, synthesize_config
 from tests.infra.test_validators import cfn_lint
+from tests.support.synthesis import Synthesized, cdk_json_context, synthesize_config
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 NAME = "budgeted"
 MONTHLY_USD = 2500.5

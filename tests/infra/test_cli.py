@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized
+from tests.support.repository import ROOT
+from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 
 def npx_cdk_synth(env_name: str, outdir: Path) -> subprocess.CompletedProcess[str]:

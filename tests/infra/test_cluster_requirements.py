@@ -9,6 +9,8 @@ import pytest
 
 from stacks.cluster_requirements import LOCK, REQUIREMENTS_IN, SOURCE_ONLY, normalized, pins_of, read_lock, resolve
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 
 def test_lock_resolves_to_itself_for_the_nodes_python() -> None:
     """Resolving the lock for CPython 3.10 installs exactly the lock: every dependency of every pin is in it,

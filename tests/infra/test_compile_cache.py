@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 from stacks.compile_cache import COMPILE_CACHE_PREFIX, promoter_name
-from tests.infra.conftest import Synthesized
 from tests.support.iam_reference import Grant, expand_action, grants
+from tests.support.synthesis import Synthesized
 
 WRITES = {"s3:putobject", "s3:deleteobject", "s3:deleteobjectversion"}
 NODE_POLICIES = ("ClusterHeadNodePolicy", "ClusterComputeNodePolicy", "ClusterQueuePolicy")

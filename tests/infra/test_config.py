@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -15,8 +16,8 @@ import yaml
 from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import ConfigError, EnvironmentConfig, load_environment
 from stacks.pipeline_site import site_settings
-from tests.conftest import ROOT
-from tests.infra.conftest import ENVIRONMENT_NAMES
+from tests.support.repository import ROOT
+from tests.support.synthesis import ENVIRONMENT_NAMES
 
 BASE: dict[str, Any] = yaml.safe_load((ENVIRONMENTS_DIR / "default.yaml").read_text())
 
@@ -474,27 +475,26 @@ def test_unknown_environment_lists_the_available_ones(env_dir: Path) -> None:
     )
 
 
-def run_app(context_env: str, outdir: Path) -> subprocess.CompletedProcess[str]:
-    """The CDK entry point exactly as the CLI runs it (context and output dir passed via the environment)."""
+def run_app(context_env: str, outdir: Path, workdir: Path) -> subprocess.CompletedProcess[str]:
+    """The CDK entry point exactly as the CLI runs it (context and output dir passed via the environment), in
+    `workdir` with the environment files of its `environments/` folder, so nothing is written into the project's."""
     environ = {
         **os.environ,
         "CDK_OUTDIR": str(outdir),
-        "CDK_CONTEXT_JSON": f'{{"env": "{context_env}"}}',
+        "CDK_CONTEXT_JSON": json.dumps({"env": context_env, "environments_dir": "environments"}),
         # As the Makefile does: jsii's Node 20 end-of-life banner would otherwise precede every message.
         "JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20",
     }
     return subprocess.run(
-        [sys.executable, "app.py"], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300
+        [sys.executable, str(ROOT / "app.py")], cwd=workdir, env=environ, capture_output=True, text=True, timeout=300
     )
 
 
+@pytest.mark.slow  # a CDK app in a subprocess
 def test_app_rejects_bad_environment_without_traceback_or_output(tmp_path: Path) -> None:
-    bad = ENVIRONMENTS_DIR / "zz-invalid-under-test.yaml"
-    write_environment(ENVIRONMENTS_DIR, {"storage.fsx_capacity_gib": 1000}, name=bad.stem)
-    try:
-        result = run_app(bad.stem, tmp_path / "out")
-    finally:
-        bad.unlink()
+    (tmp_path / "environments").mkdir()
+    write_environment(tmp_path / "environments", {"storage.fsx_capacity_gib": 1000}, name="zz-invalid-under-test")
+    result = run_app("zz-invalid-under-test", tmp_path / "out", tmp_path)
     assert result.returncode == 1
     assert result.stderr.strip() == (
         "error: environments/zz-invalid-under-test.yaml: storage.fsx_capacity_gib: 1000 is not allowed; "
@@ -505,24 +505,24 @@ def test_app_rejects_bad_environment_without_traceback_or_output(tmp_path: Path)
     assert not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.slow  # a CDK app in a subprocess
 def test_app_names_an_unknown_environment_in_one_line(tmp_path: Path) -> None:
     """The CDK entry point through the entry points' user-error guard: one line, exit status 1, no output."""
-    result = run_app("zz-no-such-environment", tmp_path / "out")
+    (tmp_path / "environments").mkdir()
+    result = run_app("zz-no-such-environment", tmp_path / "out", tmp_path)
     assert result.returncode == 1
     assert result.stderr.startswith("error: environments/zz-no-such-environment.yaml: no such environment file; ")
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.slow  # a CDK app in a subprocess
 def test_synth_refuses_a_run_forecast_above_the_budget_in_one_line(tmp_path: Path) -> None:
     """`cdk synth` of an environment whose deploy would start the 10,000-step Llama run on a $1,000 budget."""
-    over = ENVIRONMENTS_DIR / "zz-over-budget-under-test.yaml"
     changes = {"pipeline.start_run": True, "pipeline.overrides": ["steps=10000"], "budget.monthly_usd": 1000}
-    write_environment(ENVIRONMENTS_DIR, changes, name=over.stem)
-    try:
-        result = run_app(over.stem, tmp_path / "out")
-    finally:
-        over.unlink()
+    (tmp_path / "environments").mkdir()
+    write_environment(tmp_path / "environments", changes, name="zz-over-budget-under-test")
+    result = run_app("zz-over-budget-under-test", tmp_path / "out", tmp_path)
     assert result.returncode == 1
     assert result.stderr == (
         "error: environments/zz-over-budget-under-test.yaml: forecast: llama31-8b-cpt costs about $41,304 (19.8 "

@@ -32,8 +32,10 @@ from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig, load_envir
 from stacks.pcluster_config import build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
 from stacks.training_environment import cluster_settings, node_health
-from tests.infra.conftest import Synthesized, synthesize_config
 from tests.infra.test_pcluster_config import RESOURCES, resolved_configuration
+from tests.support.synthesis import Synthesized, synthesize_config
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 CLUSTER = "trn1-llama"
 FINGERPRINT = "0123456789ABCDEF0123456789ABCDEF01234567"

@@ -19,7 +19,7 @@ from stacks.cost import (
     main,
     render_table,
 )
-from tests.conftest import ROOT
+from tests.support.repository import ROOT
 
 
 def test_readme_cost_table_is_the_command_output_for_the_default_environment() -> None:

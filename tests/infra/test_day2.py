@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from tests.conftest import ROOT
-from tests.infra.conftest import CLI_CONTEXT, Synthesized
+from tests.support.repository import ROOT
+from tests.support.synthesis import CLI_CONTEXT, Synthesized
 
 PROJECT_PARTS = ("app.py", "cdk.json", "pyproject.toml", "stacks", "training", "assets", "environments")
 SYNTH = """

@@ -13,7 +13,7 @@ import pytest
 
 from stacks.config import load_environment
 from stacks.cost import run_usd_per_hour
-from tests.conftest import ROOT
+from tests.support.repository import ROOT
 from training.cli import main
 from training.config.hardware import DEFAULT_HARDWARE, HARDWARE
 from training.config.model import flops_per_token

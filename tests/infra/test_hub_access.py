@@ -12,8 +12,10 @@ import pytest
 import yaml
 
 from stacks.config import ENVIRONMENTS_DIR, load_environment
-from tests.infra.conftest import Synthesized, synthesize_config
 from tests.support.iam_reference import Grant, covered_types, findings, grants
+from tests.support.synthesis import Synthesized, synthesize_config
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 READ_TOKEN = "arn:aws:secretsmanager:us-west-2:123456789012:secret:hf-read-AbC123"
 WRITE_TOKEN = "arn:aws:secretsmanager:us-west-2:123456789012:secret:hf-write-XyZ789"

@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import pytest
 
-from tests.infra.conftest import Synthesized
 from tests.support.iam_reference import Grant, covered_types, findings, grants
+from tests.support.synthesis import Synthesized
 
 # Requests of our code whose authorization involves more resource types than the obvious one, as the reference
 # lists them for the action: (action, the types every principal granting it needs, who makes the request).

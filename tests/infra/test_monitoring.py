@@ -12,8 +12,8 @@ from botocore.validate import ParamValidator
 
 from stacks.monitoring import ALARM_METRICS, FSX_FREE_ALARM_FRACTION, GIB, THROUGHPUT_FLOOR_PERIODS
 from stacks.training_environment import memory_plan_line
-from tests.conftest import ROOT
-from tests.infra.conftest import Synthesized
+from tests.support.repository import ROOT
+from tests.support.synthesis import Synthesized
 from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 from training.monitoring import cloudwatch as names

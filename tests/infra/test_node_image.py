@@ -15,8 +15,8 @@ from stacks.application import ENVIRONMENTS_DIR
 from stacks.cluster import BAKE_SCRIPT_FILE, bootstrap_neuron_release
 from stacks.config import load_environment
 from stacks.node_image import build_image_configuration, main
-from tests.infra.conftest import Synthesized
 from tests.infra.test_day2 import node_files_deployment, uploaded_files
+from tests.support.synthesis import Synthesized
 
 POLICY = "arn:aws:iam::123456789012:policy/parallelcluster/trainium-default-ComputeNodePolicy"
 PARENT = "ami-0123456789abcdef0"

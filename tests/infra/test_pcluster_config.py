@@ -30,7 +30,6 @@ from stacks.config import load_environment
 from stacks.pcluster_config import ClusterResources, build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
 from stacks.training_environment import cluster_settings, node_health
-from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized, cdk_json_context
 from tests.support.pcluster_offline import (
     VPC_ID,
     FileSystems,
@@ -38,6 +37,9 @@ from tests.support.pcluster_offline import (
     run_offline_validation,
     validate_cluster_config,
 )
+from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized, cdk_json_context
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -28,6 +28,8 @@ from tests.support.pcluster_offline import (
     validate_cluster_config,
 )
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 CLUSTER_NAME = "trn-offline-test"
 REGION = "us-east-1"
 SUBNET = "subnet-0123456789abcdef0"

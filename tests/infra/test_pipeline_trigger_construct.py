@@ -9,14 +9,17 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aws_cdk import App, Stack
 from aws_cdk import aws_s3_assets as s3_assets
 
 from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import load_environment
 from stacks.pipeline_trigger import SOURCE_EXCLUDE, SOURCE_PARTS, source_files, source_hash
-from tests.conftest import ROOT
-from tests.infra.conftest import Synthesized, synthesize_config
+from tests.support.repository import ROOT
+from tests.support.synthesis import Synthesized, synthesize_config
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 
 def pipeline_resource(env: Synthesized) -> tuple[str, dict[str, Any]]:

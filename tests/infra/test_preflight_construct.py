@@ -6,10 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import load_environment
 from stacks.preflight import READ_ACTIONS
-from tests.infra.conftest import Synthesized, synthesize_config
+from tests.support.synthesis import Synthesized, synthesize_config
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 BILLING = ("AWS::EC2::NatGateway", "AWS::EC2::EIP", "AWS::FSx::FileSystem", "Custom::PclusterCluster")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized, synthesize
+from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized, synthesize
 
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
 ASSET_HASH = re.compile(r"[0-9a-f]{64}")

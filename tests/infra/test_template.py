@@ -15,7 +15,7 @@ from stacks.network import Network
 from stacks.pcluster_config import build_cluster_configuration
 from stacks.pipeline_trigger import PipelineTrigger
 from stacks.storage import Storage
-from tests.infra.conftest import Synthesized
+from tests.support.synthesis import Synthesized
 
 
 def template_of(env: Synthesized) -> Template:

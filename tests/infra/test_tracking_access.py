@@ -23,7 +23,6 @@ from stacks.application import ENVIRONMENTS_DIR
 from stacks.config import load_environment
 from stacks.pipeline_site import site_settings
 from stacks.tracking_access import SAGEMAKER_MLFLOW_ACTIONS
-from tests.infra.conftest import Synthesized, synthesize_config
 from tests.infra.test_config_patch import (
     assert_no_running_job_is_killed,
     config_patch,
@@ -37,10 +36,13 @@ from tests.infra.test_pcluster_config import account_of, resolved_configuration
 from tests.infra.test_validators import awssolutions_report
 from tests.support.iam_reference import expand_action, findings, grants
 from tests.support.pcluster_offline import errors_of, run_offline_validation
+from tests.support.synthesis import Synthesized, synthesize_config
 from training.config.loading import ConfigError
 from training.config.site import Site
 from training.config.tracking import MlflowTracking, Tracking, WandbTracking
 from training.train.trackers import MlflowSender, RunFacts, close_trackers
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 SERVER_ARN = "arn:aws:sagemaker:us-west-2:123456789012:mlflow-tracking-server/llama-runs"
 SECRET_ARN = "arn:aws:secretsmanager:us-west-2:123456789012:secret:wandb-api-key-Ab12Cd"

@@ -16,7 +16,9 @@ from stacks.nag import (
     queue_acknowledgements,
 )
 from stacks.training_environment import cpu_stages_queue
-from tests.infra.conftest import ENVIRONMENT_NAMES, Synthesized
+from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 CFN_LINT = str(Path(sys.executable).parent / "cfn-lint")
 

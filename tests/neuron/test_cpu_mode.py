@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.training.workers import run_workers
+from tests.support.workers import run_workers
 from training.formats.convert import ConvertOptions, convert
 from training.formats.hf import read_config
 from training.formats.layouts import ModelSpec, Parallelism, replicated_targets
 from training.local.tiny import tiny_model, train_tokenizer
 
-WORKER = Path(__file__).resolve().parents[1] / "training" / "model_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "support" / "model_worker.py"
 TP = 2
 RTOL, ATOL = 1e-5, 1e-6  # fp32; the two backends reduce in different orders
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.neuron.one_rank import one_rank_neuron_backend
+from tests.support.model_equality import assert_same_model, bits, parameter_bytes, read_bytes
 from tests.support.random_values import random_values
-from tests.training.test_startup import assert_same_model, bits, parameter_bytes, read_bytes
-from tests.training.tiny_models import llama, mixtral
+from tests.support.tiny_models import llama, mixtral
 from training.formats.convert import ConvertOptions, convert
 from training.formats.hf import read_config
 

@@ -3,8 +3,20 @@
 The environment (torch 2.9.1 and torch-xla 2.9.0 from PyPI, several GB) is built once per lock file content
 under the cache directory and reused; neuronx-distributed's source is unpacked there from the archive
 NXD_SOURCE names (default: the vendored v2.28.0 archive beside this checkout). Then pytest runs, in that
-environment, the tier's own tests and the training tests (so the package is tested with the cluster's
-versions too), on torch-xla's CPU device, with only the Neuron binaries replaced by `tests/neuron/standins`.
+environment, the tier's own tests and the training tests whose outcome depends on the package versions (so
+the package is tested with the cluster's versions too), on torch-xla's CPU device, with only the Neuron binaries
+replaced by `tests/neuron/standins`.
+
+Which training tests are rerun (VERSIONED): the lock and the main environment differ in torch (2.9.1 / 2.13),
+transformers (4.57 / 5.23), tokenizers, datasets, numpy, pyarrow and protobuf, and pin pydantic, PyYAML, Jinja2,
+boto3, safetensors, matplotlib, lm-eval, mlflow, wandb and tensorboard alike. So the folders that run torch,
+transformers, tokenizers or datasets code are rerun: the formats (torch pickles, transformers checkpoints), the
+model (transformers as the reference, autograd), the data preparation (tokenizers, datasets, pyarrow), the
+training job (torchrun, the optimizer, checkpoints, event files), the refusal of planted pickles (torch's
+unpickler) and the evaluation (lm-eval over transformers). The configuration, monitoring, Slurm pipeline
+rendering, CLI, logging and bad-input suites test our code over libraries pinned alike: the main suite's run
+is their verdict. The rerun uses two xdist workers (its tests use no local Slurm); the tier's own tests run in
+one process (one XLA runtime).
 """
 
 from __future__ import annotations
@@ -24,8 +36,19 @@ DEFAULT_NXD_SOURCE = ROOT.parent / "shared" / "vendor" / "neuronx-distributed-2.
 CACHE = Path(os.environ.get("NEURON_TIER_CACHE", Path.home() / ".cache" / "trainium-training"))
 # pytest, and moto's standalone server (moto, flask, flask-cors) for the S3 export tests; pinned as in
 # pyproject.toml's dev extra, constrained by the lock.
-TEST_TOOLS = ("pytest==9.2.0", "moto==5.2.5", "flask==3.1.3", "flask-cors==6.0.5")
-TESTS = ("tests/neuron", "tests/training")
+TEST_TOOLS = ("pytest==9.2.0", "pytest-xdist==3.8.0", "moto==5.2.5", "flask==3.1.3", "flask-cors==6.0.5")
+# The training tests whose outcome depends on the package versions (the docstring says why these).
+VERSIONED = (
+    "tests/training/formats",
+    "tests/training/model",
+    "tests/training/data",
+    "tests/training/train",
+    "tests/training/properties/test_untrusted_files.py",
+    "tests/training/pipeline/test_evaluate.py",
+)
+# One pytest process each: the training tests check that reading xser files never imports torch_xla, which the
+# neuron tests have imported by then.
+RUNS = (("tests/neuron",), ("-n", "2", *VERSIONED))
 
 
 def digest(path: Path) -> str:
@@ -81,9 +104,7 @@ def main(arguments: list[str]) -> int:
     python = str(venv_dir / "bin" / "python")
     if arguments:
         return subprocess.run([python, "-m", "pytest", *arguments], cwd=ROOT, env=environ, check=False).returncode
-    # One pytest process per folder: the training tests check that reading xser files never imports torch_xla,
-    # which the neuron tests have imported by then.
-    results = [subprocess.run([python, "-m", "pytest", tests], cwd=ROOT, env=environ, check=False) for tests in TESTS]
+    results = [subprocess.run([python, "-m", "pytest", *run], cwd=ROOT, env=environ, check=False) for run in RUNS]
     return max(result.returncode for result in results)
 
 

@@ -19,12 +19,15 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.system_tools import require_tool
 from training.cli import main
 from training.config.loading import ONE_LINE, ConfigError
 from training.config.recipe import RECIPES_DIR, Recipe, load_recipe
 from training.config.site import Site, load_site
 from training.errors import UserError
 from training.pipeline.runs import RENDEZVOUS_PORTS, plan_run, processes_per_node, render
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 # A command substitution, a backtick command, both quotes and spaces: in a value, all of it is text.
 PAYLOAD = "x $(touch PWNED) `touch PWNED_TICK` ' \" y"
@@ -149,7 +152,10 @@ def run_script(world: World, stage: str, text: str, nodes: int, **environment: s
     # Values such as '$(touch PWNED)' are single-quoted on purpose: shellcheck's note that they do not expand
     # (SC2016) is the point here, anything above a note is not.
     lint = subprocess.run(
-        ["shellcheck", "-s", "bash", "--severity=warning", str(script)], capture_output=True, text=True, check=False
+        [require_tool("shellcheck"), "-s", "bash", "--severity=warning", str(script)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert lint.returncode == 0, f"{stage}:\n{lint.stdout}"
     world.records.unlink(missing_ok=True)

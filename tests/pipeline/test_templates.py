@@ -15,6 +15,7 @@ import pytest
 from stacks.cluster import BOOTSTRAP_SCRIPT, pinned_neuron_release
 from stacks.config import load_environment
 from stacks.pipeline_site import site_settings
+from tests.support.system_tools import require_tool
 from training.config.recipe import load_recipe
 from training.config.site import Site
 from training.pipeline.runs import STAGES, dependency_option, plan_run, render, stage_command, stage_time_minutes
@@ -102,7 +103,9 @@ def test_every_script_passes_bash_n_and_shellcheck(recipe: str, where: str, tmp_
         script.write_text(text)
         syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
         assert syntax.returncode == 0, f"{stage}: {syntax.stderr}"
-        lint = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True, check=False)
+        lint = subprocess.run(
+            [require_tool("shellcheck"), "-s", "bash", str(script)], capture_output=True, text=True, check=False
+        )
         assert lint.returncode == 0, f"{stage}:\n{lint.stdout}"
 
 

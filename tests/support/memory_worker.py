@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tests.support.saved_tensors import saved_for_backward
-from tests.training.workers import worker_main
+from tests.support.workers import worker_main
 from training.config.model import ModelConfig
 from training.model import parallel
 from training.model.transformer import Execution, build_model

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tests.training.workers import worker_main
+from tests.support.workers import worker_main
 from training.config.model import IGNORE_INDEX, ModelConfig
 from training.config.recipe import OptimizerSection
 from training.model import parallel

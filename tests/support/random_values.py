@@ -1,5 +1,5 @@
 """Random values torch generates, counted at its dispatcher: the measurement behind the start-up test
-(tests/training/test_startup.py) and benchmark (benchmarks/startup.py).
+(tests/training/train/test_startup.py) and benchmark (benchmarks/startup.py).
 
 Counted: every aten operation tagged `nondeterministic_seeded` (normal_, uniform_, bernoulli_, randn,
 randperm, ... whoever calls them: torch.nn.init, a layer's constructor, our own initialisation) on a tensor

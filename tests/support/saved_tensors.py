@@ -1,5 +1,5 @@
 """What autograd keeps for backward, in bytes: the measurement the memory planner's activation terms are
-tested against (tests/training/test_memory.py) and the benchmark reports (benchmarks/bench_train.py).
+tested against (tests/training/train/test_memory.py) and the benchmark reports (benchmarks/bench_train.py).
 
 Counted: every tensor an operation saves for backward (`torch.autograd.graph.saved_tensors_hooks`), once per
 storage, parameters excluded (they are counted as weights), plus the inputs `torch.utils.checkpoint` keeps

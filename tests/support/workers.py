@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import ROOT
+from tests.support.repository import ROOT
 
 
 def run_workers(

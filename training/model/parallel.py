@@ -11,7 +11,7 @@ Two interchangeable backends with the same tensor-parallel semantics:
 Each name is declared once, below, as a typed function with a docstring and a `@neuron(module, attribute)`
 line naming what it is on Trainium (a neuronx-distributed class or function, release 2.28). The declaration is
 the contract: the `neuron` backend imports `module.attribute` and calls it with the caller's arguments; the
-`cpu` backend presents the same name with exactly the declared signature; tests/training/test_parallel_facade.py
+`cpu` backend presents the same name with exactly the declared signature; tests/training/model/test_parallel_facade.py
 checks both, and checks the declarations against neuronx-distributed's own source.
 One module over 500 lines because it is one thing, the facade: every name declared in one place, where the
 test checks them against NxD's signatures; the implementations live in the backends.

@@ -8,7 +8,7 @@ Pure arithmetic, torch-free (it also runs at `cdk synth`). Per core, for one tra
   fp32 master weight, both AdamW moments and the reduce-scattered fp32 gradient); bf16-sr 2 + 2 + 8/DP;
   fp32 4 + 4 + 16/DP (without ZeRO-1 the moments alone, unsharded);
 - activations: what autograd keeps for backward, term by term from what this project's layers save (the
-  same operations as neuronx-distributed's: tests/training/test_memory.py holds the terms to within 10 %
+  same operations as neuronx-distributed's: tests/training/train/test_memory.py holds the terms to within 10 %
   of the bytes measured on tiny models), for every layer of the stage and every micro batch in flight;
 - the logits in fp32 and their gradient, and one layer's activations again as the backward working set
   (the recomputation of a checkpointed layer, the gradients of any);
@@ -176,7 +176,7 @@ def outside_layer_bytes(w: Workload) -> int:
 
 def saved_activation_bytes(w: Workload) -> int:
     """All that autograd keeps after one micro batch's forward on the most loaded stage (what the
-    measurement in tests/training/test_memory.py compares with)."""
+    measurement in tests/training/train/test_memory.py compares with)."""
     layers = w.spec.num_layers // w.pp
     return layers * (layer_activation_bytes(w) + _balance_loss(w)) + outside_layer_bytes(w)
 

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from tests.training.conftest import sample_documents, write_jsonl
 from training.cli import main
 from training.config.model import IGNORE_INDEX
 from training.config.recipe import load_recipe
@@ -23,6 +22,7 @@ from training.data.prepared import data_sha256
 from training.data.pretrain import PretrainOptions, prepare_pretrain
 from training.data.sft import SftOptions, prepare_sft
 from training.errors import UserError
+from training.local.tiny import sample_documents, write_jsonl
 
 BIG = sample_documents(300, seed=1)
 SMALL = sample_documents(40, seed=2)

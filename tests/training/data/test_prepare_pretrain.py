@@ -16,12 +16,12 @@ import pyarrow.parquet as parquet
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import ROOT
-from tests.training.conftest import sample_documents, train_tokenizer, write_jsonl
+from tests.support.repository import ROOT
 from training import outputs
 from training.cli import main
 from training.data.pretrain import PretrainOptions, prepare_pretrain
 from training.errors import UserError
+from training.local.tiny import sample_documents, train_tokenizer, write_jsonl
 
 DOCUMENTS = sample_documents(120)
 

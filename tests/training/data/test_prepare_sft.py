@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from tests.training.conftest import BOS, END_OF_TURN, EOS, train_tokenizer, write_jsonl
 from training.cli import main
 from training.config.model import IGNORE_INDEX
 from training.data.sft import SftOptions, prepare_sft
 from training.errors import UserError
+from training.local.tiny import BOS, END_OF_TURN, EOS, train_tokenizer, write_jsonl
 
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "question one"}, {"role": "assistant", "content": "answer one"}],

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from tests.training.tiny_models import llama, mixtral
+from tests.support.tiny_models import llama, mixtral
 from training.cli import main
 from training.errors import UserError
 from training.formats import sharded

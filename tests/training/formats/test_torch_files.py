@@ -33,7 +33,7 @@ from training.formats.safetensors_writer import SafetensorsWriter, safetensors_s
 from training.formats.torch_reader import Opaque, open_checkpoint_file, open_torch_file, open_xser
 from training.formats.torch_writer import TorchFileWriter, XserWriter
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Makes torch compute each storage's offset from the previous one (miniz's layout rules) instead of reading
 # its local header; with TORCH_SERIALIZATION_DEBUG=1 torch also asserts both agree.
 OFFSETS_FROM_LAYOUT = serialization_config.patch({"load.calculate_storage_offsets": True})  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """The Llama / Mixtral model on the CPU facade against transformers, loaded from `convert --to nxd` output.
 
-In-process at TP 1; at TP 2 and 4 one `torchrun` of 4 gloo processes runs every case (tests/training/
+In-process at TP 1; at TP 2 and 4 one `torchrun` of 4 gloo processes runs every case (tests/support/
 model_worker.py), TP 2 cases with 2 DP replicas on different batches. Compared: logits, loss, the Mixtral
 auxiliary loss, gradients of one backward step merged with the layout's rules, the state dict against the
 converter's rank files, and the write-back of that state dict through `convert --from nxd`.
@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tests.training.tiny_models import LLAMA3_ROPE_SCALING, llama, mixtral
-from tests.training.workers import LOCAL, run_workers
+from tests.support.tiny_models import LLAMA3_ROPE_SCALING, llama, mixtral
+from tests.support.workers import LOCAL, run_workers
 from training.config.model import IGNORE_INDEX, ModelConfig, flops_per_token
 from training.errors import UserError
 from training.formats.convert import ConvertOptions, convert
@@ -35,7 +35,9 @@ from training.model.transformer import (
     queue_positions,
 )
 
-WORKER = Path(__file__).with_name("model_worker.py")
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
+WORKER = Path(__file__).resolve().parents[2] / "support" / "model_worker.py"
 ATOL = 1e-5
 
 

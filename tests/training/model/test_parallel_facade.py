@@ -24,7 +24,7 @@ from training.model import cpu_backend, neuron_backend, parallel
 from training.model.parallel import DECLARATIONS, Declaration
 
 ARCHIVE_NAME = "neuronx-distributed-2.28.0.tar.gz"
-DEFAULT_ARCHIVE = Path(__file__).resolve().parents[2].parent / "shared" / "vendor" / ARCHIVE_NAME
+DEFAULT_ARCHIVE = Path(__file__).resolve().parents[3].parent / "shared" / "vendor" / ARCHIVE_NAME
 NXD_DECLARATIONS = [d for d in DECLARATIONS.values() if d.module.startswith("neuronx_distributed.")]
 REQUIRED = inspect.Parameter.empty
 

@@ -31,6 +31,8 @@ from training.pipeline.export import export
 from training.pipeline.runs import plan_run
 from training.software import BOOTSTRAP_SCRIPT, CLUSTER_LOCK, ENV_MARKER, Pins, pinned_neuron_release, running_pins
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 REPO_ID = "meta-llama/Llama-3.1-8B"
 EVALUATION = {
     "tasks": {

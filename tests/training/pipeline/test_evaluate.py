@@ -33,7 +33,9 @@ from training.pipeline.evaluate import (
     weight_bytes,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
+ROOT = Path(__file__).resolve().parents[3]
 TINY_TASK = {"name": "tiny_choice", "limit": 12}
 
 

@@ -26,6 +26,8 @@ from training.local.tiny import tiny_model, train_tokenizer
 from training.pipeline.hub import FETCH_MANIFEST, copy_destination, fetch_model, push_model, tokenizer_source
 from training.pipeline.runs import plan_run, render
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 REPO = "meta-llama/Tiny-Llama"
 READ_TOKEN = "hf_read_0123456789abcdefghij"
 WRITE_TOKEN = "hf_write_0123456789abcdefghij"
@@ -78,7 +80,7 @@ def revision(hub: HubStandin) -> str:
 
 def recipe_file(tmp_path: Path, hub: HubStandin, *, repo: str = REPO, rev: str | None = None) -> Path:
     """The tiny Llama recipe downloading its model from the stand-in into tmp_path/models/Tiny-Llama."""
-    text = (Path(__file__).resolve().parents[2] / "training/train/recipes/tiny-llama-cpt.yaml").read_text()
+    text = (Path(__file__).resolve().parents[3] / "training/train/recipes/tiny-llama-cpt.yaml").read_text()
     text = text.replace(
         "  config: work/tiny-llama/hf\n",
         f"  config: {tmp_path / 'models' / 'Tiny-Llama'}\n  hub:\n    repo: {repo}\n"

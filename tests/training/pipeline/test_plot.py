@@ -20,7 +20,7 @@ from training.errors import UserError
 from training.pipeline.export import export
 from training.pipeline.plot import DPI, HEIGHT, WIDTH, plot_metrics
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SIZE = (round(HEIGHT * DPI), round(WIDTH * DPI))
 BLUE, ORANGE, GREEN, RED, PURPLE = "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"
 

@@ -15,7 +15,7 @@ from training.errors import UserError
 from training.pipeline import preflight
 from training.pipeline.runs import STAGES, Stage, stages_to_submit
 
-STANDIN = Path(__file__).resolve().parents[1] / "support" / "neuron_tools" / "nccom-test"
+STANDIN = Path(__file__).resolve().parents[3] / "tests" / "support" / "neuron_tools" / "nccom-test"
 
 # nccom-test's JSON report as the Neuron guide shows it (`--report-to-json-file`, an all-gather sweep)
 GUIDE_REPORT = {

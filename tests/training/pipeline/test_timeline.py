@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.repository import ROOT
 from training.config.site import Site
 from training.monitoring.cluster import stage_data
 from training.pipeline import runs, timeline

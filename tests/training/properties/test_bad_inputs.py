@@ -1,8 +1,8 @@
 """Bad inputs to `python -m training` as a new user (or someone probing it) gives them: each ends in exactly one
 `error:` line naming the input and what is allowed, exit status 2, and nothing left behind (no output, no
 temporary sibling, no checkpoint directory). Malformed checkpoints and safetensors are in
-tests/training/test_untrusted_files.py, settings out of range in tests/training/test_setting_ranges.py,
-the environment file in tests/infra/test_config.py."""
+tests/training/properties/test_untrusted_files.py, settings out of range in
+tests/training/properties/test_setting_ranges.py, the environment file in tests/infra/test_config.py."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import pytest
 from training.cli import main
 from training.data.sft import SftOptions, prepare_sft
 from training.local.tiny import build_tiny_world, write_jsonl
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (DEBUG|INFO|WARNING|ERROR) ")  # training.logs
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.repository import ROOT
 from training.config.loading import ConfigError
 from training.config.recipe import RECIPES_DIR, load_recipe
 from training.config.site import load_site

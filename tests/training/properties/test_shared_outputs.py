@@ -20,14 +20,16 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
 from tests.support.moto_server import moto_endpoint
-from tests.training.tiny_models import llama
+from tests.support.repository import ROOT
+from tests.support.tiny_models import llama
 from training import outputs
 from training.cli import main
 from training.errors import UserError
 from training.local.tiny import sample_conversations, sample_documents, tiny_model, train_tokenizer, write_jsonl
 from training.outputs import Owner, atomic_directory, owner_is_gone, reusable, sibling_name, write_manifest
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 FINGERPRINT = {"inputs": "new"}
 

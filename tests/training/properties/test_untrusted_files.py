@@ -28,19 +28,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.training.tiny_models import llama
+from tests.support.tiny_models import llama
 from training.cli import main
 from training.config.model import ModelConfig
 from training.config.recipe import OptimizerSection, ScheduleSection
 from training.errors import UserError
 from training.formats.convert import ConvertOptions, convert
 from training.formats.sharded import nxd_rank_file
-from training.local.tiny import build_tiny_world
 from training.model import parallel
 from training.model.transformer import build_model
 from training.train import checkpointing
 from training.train.checkpointing import load_training_state, load_weights, save_checkpoint
 from training.train.optimizer import TrainingOptimizer
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 EMBED = "model.embed_tokens.weight"  # F32 [64, 32] in the tiny Llama
 DTYPES = "F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL"
@@ -788,10 +789,10 @@ def test_training_checkpoint_of_another_shape_is_one_line(source: Path, tmp_path
 
 
 def test_resume_refuses_a_planted_rng_file_end_to_end(
-    tmp_path_factory: pytest.TempPathFactory, marker: Path, tmp_path: Path
+    llama_world_tp1: dict[str, Path], marker: Path, tmp_path: Path
 ) -> None:
     """`python -m training train --resume` on a checkpoint whose rng file was replaced: exit 2, one error line."""
-    world = build_tiny_world(tmp_path_factory.mktemp("tiny-llama"), "llama", tp=1)
+    world = llama_world_tp1
     checkpoints = tmp_path / "checkpoints"
     command = [sys.executable, "-m", "training", "train", "--recipe", "tiny-llama-cpt"]
     command += [

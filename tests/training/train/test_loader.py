@@ -1,6 +1,6 @@
 """The loader's start-of-training checks of prepared data against the recipe: the kind of data (pretrain, sft)
 and whether one step's global batch, and one validation, fit in the split's blocks. The end-to-end refusals
-through the CLI are in tests/training/test_bad_inputs.py."""
+through the CLI are in tests/training/properties/test_bad_inputs.py."""
 
 from __future__ import annotations
 

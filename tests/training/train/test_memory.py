@@ -4,7 +4,7 @@ and against the configurations known to run on trn1 (REFERENCE.md section 9).
 Parameters per rank equal the built model's at TP 1, 2 and 4; the activation terms are within 10 % of the
 bytes autograd keeps for backward, measured on tiny models (tests/support/saved_tensors.py) for every
 combination of precision, checkpointing, flash attention, sequence parallelism and MoE dispatch tried here.
-TP 2 and 4 run in one torchrun of 4 gloo processes (tests/training/memory_worker.py).
+TP 2 and 4 run in one torchrun of 4 gloo processes (tests/support/memory_worker.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.training.workers import LOCAL, run_workers
+from tests.support.repository import ROOT
+from tests.support.workers import LOCAL, run_workers
 from training.cli import main
 from training.config.hardware import DEFAULT_HARDWARE
 from training.config.model import ModelConfig, ModelSpec, default_kv_multiplier
@@ -39,7 +39,9 @@ from training.train.memory import (
 )
 from training.train.optimizer import zero1_where_it_shards
 
-WORKER = Path(__file__).with_name("memory_worker.py")
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
+WORKER = ROOT / "tests" / "support" / "memory_worker.py"
 WORLD = 4
 MICRO, SEQ_LEN = 2, 64
 LLAMA: dict[str, Any] = {

@@ -22,9 +22,8 @@ from botocore.stub import Stubber
 from moto import mock_aws
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.training.conftest import world_overrides
+from tests.support.training_runs import world_overrides
 from training.config.recipe import Recipe, load_recipe
-from training.local.tiny import build_tiny_world
 from training.monitoring import cloudwatch
 from training.train.loop import KILL_AT_STEP, TrainOptions, train
 from training.train.metrics import (
@@ -35,23 +34,20 @@ from training.train.metrics import (
     read_metrics,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
+ROOT = Path(__file__).resolve().parents[3]
 NAMESPACE = "Trainium/test"
 RUN_ID = "tiny-run-1"
 AWS_VARIABLES = ("AWS_PROFILE", "AWS_REGION", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_CLOUDWATCH")
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory.mktemp("tiny-llama"), "llama", tp=1)
+def overrides(llama_world_tp1: dict[str, Path], checkpoints: Path, *extra: str) -> list[str]:
+    return world_overrides(llama_world_tp1, checkpoints, "parallelism.tp=1", *extra)
 
 
-def overrides(world: dict[str, Path], checkpoints: Path, *extra: str) -> list[str]:
-    return world_overrides(world, checkpoints, "parallelism.tp=1", *extra)
-
-
-def recipe(world: dict[str, Path], checkpoints: Path, *extra: str) -> Recipe:
-    return load_recipe("tiny-llama-cpt", overrides(world, checkpoints, *extra))
+def recipe(llama_world_tp1: dict[str, Path], checkpoints: Path, *extra: str) -> Recipe:
+    return load_recipe("tiny-llama-cpt", overrides(llama_world_tp1, checkpoints, *extra))
 
 
 @pytest.fixture
@@ -85,10 +81,10 @@ def expected_scalars(records: list[dict[str, Any]]) -> dict[str, list[tuple[int,
     return expected
 
 
-def test_tensorboard_holds_the_values_of_the_json_lines(world: dict[str, Path], tmp_path: Path) -> None:
+def test_tensorboard_holds_the_values_of_the_json_lines(llama_world_tp1: dict[str, Path], tmp_path: Path) -> None:
     checkpoints = tmp_path / "run" / "checkpoints"
     settings = ("steps=4", "data.validation_split=train", "data.validation_every=2", "data.validation_batches=1")
-    train(TrainOptions(recipe=recipe(world, checkpoints, *settings)))
+    train(TrainOptions(recipe=recipe(llama_world_tp1, checkpoints, *settings)))
     records = [json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     # In the run directory, beside the checkpoints (what export copies).
@@ -114,9 +110,11 @@ def test_tensorboard_holds_the_values_of_the_json_lines(world: dict[str, Path], 
     assert [wall for _, _, wall in found["train/loss"]] == pytest.approx([r["time"] for r in records], abs=1e-3)
 
 
-def test_a_resumed_run_shows_each_step_once_with_its_last_values(world: dict[str, Path], tmp_path: Path) -> None:
+def test_a_resumed_run_shows_each_step_once_with_its_last_values(
+    llama_world_tp1: dict[str, Path], tmp_path: Path
+) -> None:
     checkpoints = tmp_path / "run" / "checkpoints"
-    settings = overrides(world, checkpoints, "steps=6", "checkpoint.every=3")
+    settings = overrides(llama_world_tp1, checkpoints, "steps=6", "checkpoint.every=3")
     killed = subprocess.run(
         [sys.executable, "-m", "training", "train", "--recipe", "tiny-llama-cpt", *settings],
         cwd=ROOT,
@@ -146,11 +144,11 @@ def test_a_resumed_run_shows_each_step_once_with_its_last_values(world: dict[str
 
 @mock_aws
 def test_a_compile_run_writes_no_event_files_and_sends_nothing(
-    world: dict[str, Path], tmp_path: Path, fake_aws: None, monkeypatch: pytest.MonkeyPatch
+    llama_world_tp1: dict[str, Path], tmp_path: Path, fake_aws: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(NAMESPACE_VARIABLE, NAMESPACE)
     checkpoints = tmp_path / "run" / "checkpoints"
-    train(TrainOptions(recipe=recipe(world, checkpoints), compile_only=True))
+    train(TrainOptions(recipe=recipe(llama_world_tp1, checkpoints), compile_only=True))
     assert [r["step"] for r in read_metrics(checkpoints / "metrics-compile.jsonl")] == [1, 2]
     assert not (tmp_path / "run" / "tensorboard").exists()
     assert boto3.client("cloudwatch").list_metrics(Namespace=NAMESPACE)["Metrics"] == []
@@ -173,13 +171,13 @@ def statistics(client: Any, name: str, dimensions: list[dict[str, str]], since: 
 
 @mock_aws
 def test_cloudwatch_gets_every_value_with_and_without_the_run(
-    world: dict[str, Path], tmp_path: Path, fake_aws: None, monkeypatch: pytest.MonkeyPatch
+    llama_world_tp1: dict[str, Path], tmp_path: Path, fake_aws: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(NAMESPACE_VARIABLE, NAMESPACE)
     monkeypatch.setenv(RUN_ID_VARIABLE, RUN_ID)
     started = time.time()
     checkpoints = tmp_path / "run" / "checkpoints"
-    train(TrainOptions(recipe=recipe(world, checkpoints, "steps=3")))
+    train(TrainOptions(recipe=recipe(llama_world_tp1, checkpoints, "steps=3")))
     records = read_metrics(checkpoints / "metrics.jsonl")
     client = boto3.client("cloudwatch")
     listed = client.list_metrics(Namespace=NAMESPACE)["Metrics"]
@@ -228,7 +226,7 @@ def test_percentages_and_optional_values_reach_cloudwatch(fake_aws: None) -> Non
 
 @mock_aws
 def test_the_throughput_floor_reaches_cloudwatch_with_and_without_the_run(
-    world: dict[str, Path], tmp_path: Path, fake_aws: None, monkeypatch: pytest.MonkeyPatch
+    llama_world_tp1: dict[str, Path], tmp_path: Path, fake_aws: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run far below its expected figure (no warm-up, a window of one step): every record's fraction of the
     expected tokens/s per node in percent and the below-the-floor flag, as the alarm reads them."""
@@ -237,7 +235,7 @@ def test_the_throughput_floor_reaches_cloudwatch_with_and_without_the_run(
     started = time.time()
     checkpoints = tmp_path / "run" / "checkpoints"
     floor = ("throughput.expected_tokens_per_second_per_node=1e12", "throughput.warmup_steps=0")
-    train(TrainOptions(recipe=recipe(world, checkpoints, "steps=3", *floor, "throughput.window_steps=1")))
+    train(TrainOptions(recipe=recipe(llama_world_tp1, checkpoints, "steps=3", *floor, "throughput.window_steps=1")))
     records = read_metrics(checkpoints / "metrics.jsonl")
     client = boto3.client("cloudwatch")
     percents = [100 * r["throughput_fraction"] for r in records]
@@ -285,7 +283,7 @@ def test_a_cloudwatch_error_is_one_warning(fake_aws: None, caplog: pytest.LogCap
 
 
 def test_training_continues_when_cloudwatch_cannot_be_reached(
-    world: dict[str, Path],
+    llama_world_tp1: dict[str, Path],
     tmp_path: Path,
     fake_aws: None,
     monkeypatch: pytest.MonkeyPatch,
@@ -296,7 +294,7 @@ def test_training_continues_when_cloudwatch_cannot_be_reached(
     monkeypatch.setenv(NAMESPACE_VARIABLE, NAMESPACE)
     checkpoints = tmp_path / "run" / "checkpoints"
     with caplog.at_level(logging.INFO, logger="training"):
-        summary = train(TrainOptions(recipe=recipe(world, checkpoints, "steps=3")))
+        summary = train(TrainOptions(recipe=recipe(llama_world_tp1, checkpoints, "steps=3")))
     assert summary["steps"] == 3 and (checkpoints / "step_3" / "done").is_file()
     assert [r["step"] for r in read_metrics(checkpoints / "metrics.jsonl")] == [1, 2, 3]
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.training.tiny_models import llama
+from tests.support.tiny_models import llama
 from training.config.model import ModelConfig
 from training.config.precision import PARAMETER_DTYPE
 from training.config.recipe import OptimizerSection, Precision, ScheduleSection

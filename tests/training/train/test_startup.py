@@ -15,21 +15,22 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
+from tests.support.model_equality import assert_same_model, bits, parameter_bytes, read_bytes
 from tests.support.random_values import random_values
-from tests.training.conftest import world_overrides
-from tests.training.tiny_models import llama, mixtral
+from tests.support.training_runs import world_overrides
+from tests.support.tiny_models import llama, mixtral
 from training.config.model import ModelConfig
 from training.config.recipe import load_recipe
 from training.errors import UserError
 from training.formats.convert import ConvertOptions, convert
 from training.formats.hf import read_config
-from training.local.tiny import build_tiny_world
 from training.model import parallel
-from training.model.transformer import CausalLM, Execution, build_model
+from training.model.transformer import Execution, build_model
 from training.train.checkpointing import _load_plain, load_pretrained
 from training.train.loop import TrainOptions, train
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 
 @pytest.fixture
@@ -48,47 +49,6 @@ CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any]]] = {
         {"router_aux_loss": True, "execution": Execution(sequence_parallel=True, activation_checkpointing="full")},
     ),
 }
-
-
-def parameter_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
-
-
-SIMPLE = (bool, int, float, str, torch.device, torch.dtype, type(None))
-
-
-def simple_attributes(module: nn.Module) -> dict[str, Any]:
-    """A module's own plain attributes (settings, and e.g. the device NxD's layers record from their weight)."""
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, SIMPLE)}
-
-
-def assert_same_model(expected: CausalLM, actual: CausalLM) -> None:
-    """Bit for bit the same values, and everything a parameter carries (dtype, device, requires_grad, the
-    tensor-parallel attributes NxD reads), the same tied parameters, buffers and module attributes."""
-    ours = dict(actual.named_parameters(remove_duplicate=False))
-    theirs = dict(expected.named_parameters(remove_duplicate=False))
-    assert ours.keys() == theirs.keys()
-    for name, parameter in theirs.items():
-        other = ours[name]
-        assert (other.dtype, other.device, other.requires_grad) == (
-            parameter.dtype,
-            parameter.device,
-            parameter.requires_grad,
-        ), name
-        assert other.__dict__ == parameter.__dict__, name
-        assert torch.equal(bits(other), bits(parameter)), name
-    shared = {name: [n for n, p in theirs.items() if p is parameter] for name, parameter in theirs.items()}
-    assert shared == {name: [n for n, p in ours.items() if p is parameter] for name, parameter in ours.items()}
-    buffers = dict(expected.named_buffers())
-    assert {n: bits(b) for n, b in actual.named_buffers()}.keys() == buffers.keys()
-    assert all(torch.equal(bits(b), bits(buffers[n])) for n, b in actual.named_buffers())
-    for (name, module), (_, other) in zip(expected.named_modules(), actual.named_modules(), strict=True):
-        assert type(module) is type(other), name
-        assert simple_attributes(other) == simple_attributes(module), name
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -127,42 +87,29 @@ def test_a_model_built_for_loading_makes_no_random_values_and_loads_as_an_initia
     assert torch.equal(bits(actual.loss), bits(expected.loss))
 
 
-@pytest.fixture(scope="module")
-def llama_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory.mktemp("tiny-llama"), "llama", tp=1)
-
-
 def run(world: dict[str, Path], checkpoints: Path, *overrides: str, resume: bool = False) -> dict[str, Any]:
     settings = world_overrides(world, checkpoints, "parallelism.tp=1", "checkpoint.every=1", *overrides)
     return train(TrainOptions(recipe=load_recipe("tiny-llama-cpt", settings), resume=resume))
 
 
 def test_the_training_job_draws_no_random_values_when_it_loads_weights(
-    llama_world: dict[str, Path], tmp_path: Path
+    llama_world_tp1: dict[str, Path], tmp_path: Path
 ) -> None:
     """The whole job, in this process: from pretrained weights and resumed, nothing random runs at all (the
     tiny recipe trains in fp32: no stochastic rounding); from random weights, the initialisation does."""
     checkpoints = tmp_path / "ckpt"
     with random_values() as pretrained:
-        run(llama_world, checkpoints, "steps=2")
+        run(llama_world_tp1, checkpoints, "steps=2")
     with random_values() as resumed:
-        summary = run(llama_world, checkpoints, "steps=3", resume=True)
+        summary = run(llama_world_tp1, checkpoints, "steps=3", resume=True)
     assert summary["started_at"] == 2
     with random_values() as fresh:
-        run(llama_world, tmp_path / "fresh", "steps=2", "model.pretrained=")
+        run(llama_world_tp1, tmp_path / "fresh", "steps=2", "model.pretrained=")
     assert pretrained.operations == [] and resumed.operations == []
     assert fresh.operations and fresh.bytes > 0
     # and the resumed run trained on: its step 3 follows the steps of the pretrained run
     records = [json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()]
     assert [record["step"] for record in records] == [1, 2, 3]
-
-
-def read_bytes() -> int:
-    """What this process has read so far through read(2) and its kind (a mapped page never read is not)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise AssertionError("/proc/self/io has no rchar")
 
 
 class _Payload:

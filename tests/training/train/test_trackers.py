@@ -27,12 +27,12 @@ from mlflow.tracking import MlflowClient
 from moto import mock_aws
 from wandb.proto import wandb_internal_pb2
 
-from tests.training.conftest import world_overrides
+from tests.support.system_tools import require_tool
+from tests.support.training_runs import world_overrides
 from training.config.recipe import Recipe, load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.config.tracking import TRACKING_VARIABLE, MlflowTracking, Tracking, tracking_environment
 from training.errors import UserError
-from training.local.tiny import build_tiny_world
 from training.pipeline.export import files_to_export
 from training.pipeline.runs import plan_run, render
 from training.train.loop import TrainOptions, train
@@ -50,19 +50,18 @@ from training.train.trackers import (
     tracking_from_environment,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
+ROOT = Path(__file__).resolve().parents[3]
 RUN_ID = "tiny-tracked-1"
 REGION = "us-west-2"
 WANDB_VARIABLES = ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY")
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory.mktemp("tiny-llama"), "llama", tp=1)
-
-
-def recipe(world: dict[str, Path], checkpoints: Path, *extra: str) -> Recipe:
-    return load_recipe("tiny-llama-cpt", world_overrides(world, checkpoints, "parallelism.tp=1", "steps=3", *extra))
+def recipe(llama_world_tp1: dict[str, Path], checkpoints: Path, *extra: str) -> Recipe:
+    return load_recipe(
+        "tiny-llama-cpt", world_overrides(llama_world_tp1, checkpoints, "parallelism.tp=1", "steps=3", *extra)
+    )
 
 
 @pytest.fixture
@@ -133,7 +132,10 @@ def expected_series(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, 
 
 
 def test_mlflow_and_wandb_record_the_run(
-    world: dict[str, Path], tmp_path: Path, job_environment: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    llama_world_tp1: dict[str, Path],
+    tmp_path: Path,
+    job_environment: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     store = tmp_path / "mlruns"
     configure(
@@ -144,7 +146,7 @@ def test_mlflow_and_wandb_record_the_run(
         },
     )
     checkpoints = tmp_path / "run" / "checkpoints"
-    the_recipe = recipe(world, checkpoints, "data.validation_split=train", "data.validation_every=2")
+    the_recipe = recipe(llama_world_tp1, checkpoints, "data.validation_split=train", "data.validation_every=2")
     ran = recipe_as_dict(zero1_where_it_shards(the_recipe, dp=1))  # the recipe as the loop runs it
     with caplog.at_level(logging.INFO, logger="training"):
         train(TrainOptions(recipe=the_recipe))
@@ -188,14 +190,14 @@ def test_mlflow_and_wandb_record_the_run(
 
 
 def test_a_requeued_run_continues_its_mlflow_run(
-    world: dict[str, Path], tmp_path: Path, job_environment: pytest.MonkeyPatch
+    llama_world_tp1: dict[str, Path], tmp_path: Path, job_environment: pytest.MonkeyPatch
 ) -> None:
     store = tmp_path / "mlruns"
     configure(job_environment, {"mlflow": {"tracking_uri": store.as_uri()}})
     checkpoints = tmp_path / "run" / "checkpoints"
-    train(TrainOptions(recipe=recipe(world, checkpoints, "checkpoint.every=2", "steps=2")))
+    train(TrainOptions(recipe=recipe(llama_world_tp1, checkpoints, "checkpoint.every=2", "steps=2")))
     # The requeue: resumed from step 2 with a longer schedule (a changed parameter keeps its first value).
-    train(TrainOptions(recipe=recipe(world, checkpoints, "checkpoint.every=2", "steps=4"), resume=True))
+    train(TrainOptions(recipe=recipe(llama_world_tp1, checkpoints, "checkpoint.every=2", "steps=4"), resume=True))
     client = MlflowClient(tracking_uri=store.as_uri())
     experiment = client.get_experiment_by_name("trainium-training")
     assert experiment is not None
@@ -237,9 +239,12 @@ class RefusingWandbServer(ThreadingHTTPServer):
 
 
 def test_failing_trackers_are_one_warning_each_and_training_is_unchanged(
-    world: dict[str, Path], tmp_path: Path, job_environment: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    llama_world_tp1: dict[str, Path],
+    tmp_path: Path,
+    job_environment: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    reference = train(TrainOptions(recipe=recipe(world, tmp_path / "plain" / "checkpoints")))
+    reference = train(TrainOptions(recipe=recipe(llama_world_tp1, tmp_path / "plain" / "checkpoints")))
     key = "wandb-key-" + "7" * 40  # W&B checks the length (40 or more)
     server = RefusingWandbServer()
     with mock_aws():
@@ -257,7 +262,7 @@ def test_failing_trackers_are_one_warning_each_and_training_is_unchanged(
         )
         checkpoints = tmp_path / "run" / "checkpoints"
         with caplog.at_level(logging.INFO, logger="training"):
-            summary = train(TrainOptions(recipe=recipe(world, checkpoints)))
+            summary = train(TrainOptions(recipe=recipe(llama_world_tp1, checkpoints)))
     server.shutdown()
     assert (summary["first_loss"], summary["last_loss"]) == (reference["first_loss"], reference["last_loss"])
     assert [r["step"] for r in read_metrics(checkpoints / "metrics.jsonl")] == [1, 2, 3]
@@ -313,12 +318,15 @@ def test_a_tracker_that_hangs_never_delays_a_step(
 
 
 def test_a_missing_secret_is_one_warning(
-    world: dict[str, Path], tmp_path: Path, job_environment: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    llama_world_tp1: dict[str, Path],
+    tmp_path: Path,
+    job_environment: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     arn = f"arn:aws:secretsmanager:{REGION}:123456789012:secret:wandb-AbCdEf"
     configure(job_environment, {"wandb": {"project": "tiny-project", "api_key_secret_arn": arn}})
     with mock_aws(), caplog.at_level(logging.WARNING, logger="training"):
-        summary = train(TrainOptions(recipe=recipe(world, tmp_path / "run" / "checkpoints")))
+        summary = train(TrainOptions(recipe=recipe(llama_world_tp1, tmp_path / "run" / "checkpoints")))
     assert summary["steps"] == 3
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warning == (
@@ -381,5 +389,7 @@ def test_the_train_job_alone_gets_the_trackers_and_the_shell_keeps_them(tmp_path
     assert tracking_from_environment({TRACKING_VARIABLE: shell.stdout}) == tracking
     script = tmp_path / "train.sbatch"
     script.write_text(scripts["train"])
-    lint = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True, check=False)
+    lint = subprocess.run(
+        [require_tool("shellcheck"), "-s", "bash", str(script)], capture_output=True, text=True, check=False
+    )
     assert lint.returncode == 0, lint.stdout

@@ -4,7 +4,6 @@ a killed run resumes to bit-identical weights and optimizer state, bad recipes s
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -16,38 +15,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.training.conftest import world_overrides
+from tests.support.training_runs import metrics, torchrun, world_overrides
 from training.cli import main
 from training.formats.convert import ConvertOptions, convert
-from training.local.tiny import build_tiny_world
 from training.train.loader import TrainingData
 from training.train.loop import KILL_AT_STEP
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
+
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (DEBUG|INFO|WARNING|ERROR) ")  # training.logs
-
-
-@pytest.fixture(scope="module")
-def llama_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory.mktemp("tiny-llama"), "llama", tp=2)
-
-
-@pytest.fixture(scope="module")
-def mixtral_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory.mktemp("tiny-mixtral"), "mixtral", tp=1, pp=2)  # as the recipe
-
-
-def torchrun(
-    recipe: str, overrides: list[str], *, processes: int, env: dict[str, str] | None = None, resume: bool = False
-) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    command += ["-m", "training", "train", "--recipe", recipe, *overrides] + (["--resume"] if resume else [])
-    return subprocess.run(
-        command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300, check=False
-    )
-
-
-def metrics(checkpoints: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize(

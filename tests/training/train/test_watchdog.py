@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.conftest import world_overrides
-from tests.training.test_train import metrics, torchrun
-from training.local.tiny import build_tiny_world
+from tests.support.training_runs import metrics, torchrun, world_overrides
 from training.train.watchdog import (
     CHECKPOINT,
     STEP,
@@ -23,6 +21,8 @@ from training.train.watchdog import (
     read_stop,
     write_stop,
 )
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 
 def test_the_first_two_steps_of_a_process_compile_and_later_step_graphs_are_late() -> None:
@@ -108,22 +108,17 @@ def test_the_stop_is_recorded_and_read_back(tmp_path: Path) -> None:
     assert read_stop(tmp_path) is None
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory.mktemp("tiny-llama"), "llama", tp=2)
-
-
 FLOOR = ("throughput.warmup_steps=2", "throughput.window_steps=2")
 
 
 def test_a_run_below_its_floor_logs_it_and_with_cancel_stops_with_the_reason(
-    world: dict[str, Path], tmp_path: Path
+    llama_world: dict[str, Path], tmp_path: Path
 ) -> None:
     """The CPU backend at far less than a figure no machine reaches: each record after the warm-up says so; with
     cancel_below_floor the job ends at the first full window, one line on stderr, the reason recorded. The CPU
     backend compiles no graphs: no late-compilation keys at all."""
     impossible = "throughput.expected_tokens_per_second_per_node=1e12"
-    watched = torchrun("tiny-llama-cpt", world_overrides(world, tmp_path / "a", impossible, *FLOOR), processes=2)
+    watched = torchrun("tiny-llama-cpt", world_overrides(llama_world, tmp_path / "a", impossible, *FLOOR), processes=2)
     assert watched.returncode == 0, watched.stderr[-3000:]
     records = metrics(tmp_path / "a")
     assert all(r["tokens_per_second_per_node"] == pytest.approx(r["tokens_per_second"], rel=1e-3) for r in records)
@@ -134,7 +129,7 @@ def test_a_run_below_its_floor_logs_it_and_with_cancel_stops_with_the_reason(
 
     stopped = torchrun(
         "tiny-llama-cpt",
-        world_overrides(world, tmp_path / "b", impossible, *FLOOR, "throughput.cancel_below_floor=true"),
+        world_overrides(llama_world, tmp_path / "b", impossible, *FLOOR, "throughput.cancel_below_floor=true"),
         processes=2,
     )
     assert stopped.returncode != 0
