@@ -730,7 +730,8 @@ def _preflight(arguments: argparse.Namespace) -> int:
 
 
 def _pipeline(arguments: argparse.Namespace) -> int:
-    from training.pipeline import runs
+    from training.pipeline import run_record, status, submit
+    from training.pipeline.slurm_client import ACTIVE_STATES
 
     if arguments.command == "sample":
         from training.config.recipe import load_recipe
@@ -791,13 +792,13 @@ def _pipeline(arguments: argparse.Namespace) -> int:
 
     site = load_site(site_file(arguments.site))
     if arguments.command == "submit":
-        runs.submit(
+        submit.submit(
             arguments.recipe, arguments.overrides, run_id=arguments.run_id, site=site, dry_run=arguments.dry_run
         )
         return 0
-    run_dir = runs.find_run_dir(site, arguments.run_id)
+    run_dir = run_record.find_run_dir(site, arguments.run_id)
     if arguments.command == "cancel":
-        runs.cancel(run_dir)
+        submit.cancel(run_dir)
         return 0
-    rows = runs.print_status(run_dir)
-    return 1 if any(row["state"] not in ("COMPLETED", *runs.ACTIVE_STATES) for row in rows) else 0
+    rows = status.print_status(run_dir)
+    return 1 if any(row["state"] not in ("COMPLETED", *ACTIVE_STATES) for row in rows) else 0

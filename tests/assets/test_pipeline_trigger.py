@@ -30,7 +30,7 @@ from moto import mock_aws
 
 from tests.support.parallelcluster_shell import load_pipeline_handler
 from training.cli import build_parser
-from training.pipeline.runs import RUN_ID
+from training.pipeline.run_record import RUN_ID
 
 ROOT = Path(__file__).resolve().parents[2]
 BASH = shutil.which("bash") or "/bin/bash"

@@ -28,7 +28,8 @@ from tests.support.pcluster_offline import INSTANCE_TYPES
 from training.cli import main
 from training.config.recipe import load_recipe
 from training.config.site import Site
-from training.pipeline.runs import RENDEZVOUS_PORTS, plan_run, processes_per_node, render
+from training.pipeline.plan import plan_run, processes_per_node
+from training.pipeline.scripts import RENDEZVOUS_PORTS, render
 from training.train.memory import HARDWARE
 
 ROOT = Path(__file__).resolve().parents[2]
