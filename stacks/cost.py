@@ -34,7 +34,7 @@ from training.config.recipe import Recipe, load_recipe
 from training.errors import ArgumentParser, guarded
 from training.monitoring.cluster import ALWAYS_SENT_JOB_STATES, NODE_STATES
 from training.monitoring.neuron import METRICS_PER_REPORT
-from training.pipeline.runs import STAGES
+from training.pipeline.plan import STAGES
 from training.pipeline.timeline import most_phases
 from training.train.forecast import Forecast, forecast_of
 from training.train.metrics import CLOUDWATCH_METRICS

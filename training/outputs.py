@@ -97,7 +97,7 @@ class Owner:
 def current_owner() -> Owner:
     host, machine = _machine()
     pid = os.getpid()
-    return Owner(host, machine, pid, _process_start(pid) or 0, _TOKEN)
+    return Owner(host, machine, pid, process_start(pid) or 0, _TOKEN)
 
 
 def sibling_name(final_name: str, kind: str, owner: Owner) -> str:
@@ -177,7 +177,7 @@ def recover(final: Path, *, warn: bool = True) -> None:
     the other leftovers of writers that are provably gone; keep everything else."""
     me = current_owner()
     for path, kind, owner in sorted(_siblings(final), key=lambda sibling: sibling[1] != "old"):
-        if owner is None or not owner_is_gone(owner, me, _process_start):
+        if owner is None or not owner_is_gone(owner, me, process_start):
             if warn:
                 _warn_kept(path, owner, me)
             continue
@@ -389,7 +389,7 @@ def _machine() -> tuple[str, str]:
     return host, hashlib.sha256(f"{boot}\n{namespace}".encode()).hexdigest()[:12]
 
 
-def _process_start(pid: int) -> int | None:
+def process_start(pid: int) -> int | None:
     """The start time of a running process (0 when it cannot be read), None when there is none."""
     if pid <= 0:
         return 0

@@ -475,7 +475,7 @@ fix_etc_hosts() {
 # id). They lie below Linux's ephemeral ports (net.ipv4.ip_local_port_range, 32768-60999 by default) and are
 # reserved as well, as neuronx-distributed's launchers reserve their 44000, so that no outgoing connection of the
 # node can hold one when a job starts, even where the ephemeral range was widened. The same range as
-# training.pipeline.runs.RENDEZVOUS_PORTS (a test holds them equal).
+# training.pipeline.scripts.RENDEZVOUS_PORTS (a test holds them equal).
 RENDEZVOUS_PORTS="31000-31099"
 RESERVED_PORTS_KEY="net.ipv4.ip_local_reserved_ports"
 SYSCTL_DIR="${SYSCTL_DIR:-/etc/sysctl.d}"

@@ -24,10 +24,10 @@ import yaml
 from moto import mock_aws
 
 from tests.support.lambda_handlers import load_handler_file
-from training.config.recipe import load_recipe
+from training.config.recipe import load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.pipeline import compile_cache
-from training.pipeline.runs import plan_run
+from training.pipeline.plan import plan_run
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
@@ -87,8 +87,9 @@ def make_run(
     recipe = load_recipe("llama31-8b-cpt", [f"{key}={value}" for key, value in overrides.items()])
     plan = plan_run(recipe, site, run_id)
     plan.run_dir.mkdir(parents=True)
-    (plan.run_dir / "recipe.yaml").write_text(yaml.safe_dump(plan.settings, sort_keys=False))
-    record = {"run_id": run_id, "settings": plan.settings, "site": site.model_dump(mode="json")}
+    settings = recipe_as_dict(plan.resolved)
+    (plan.run_dir / "recipe.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
+    record = {"run_id": run_id, "settings": settings, "site": site.model_dump(mode="json")}
     (plan.run_dir / "run.json").write_text(json.dumps(record))
     return plan.run_dir
 
@@ -301,12 +302,12 @@ def test_the_key_follows_the_graph_settings_and_nothing_else(tmp_path: Path) -> 
 
 
 def test_the_key_follows_the_compiler_model_and_instance() -> None:
-    settings = load_recipe("llama31-8b-cpt").model_dump(mode="json", by_alias=True)
+    recipe = load_recipe("llama31-8b-cpt")
     versions = dict.fromkeys(compile_cache.GRAPH_PACKAGES, "1.0")
 
     def key(config: dict[str, Any] | None = None, instance: str = "trn1.32xlarge", **packages: str) -> str:
         inputs = compile_cache.key_inputs(
-            settings, config, instance_type=instance, processes_per_node=32, versions={**versions, **packages}
+            recipe, config, instance_type=instance, processes_per_node=32, versions={**versions, **packages}
         )
         return compile_cache.cache_key(inputs)
 

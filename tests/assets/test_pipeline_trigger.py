@@ -25,7 +25,7 @@ from moto import mock_aws
 
 from tests.support.parallelcluster_shell import load_pipeline_handler, load_pipeline_trigger_module
 from tests.support.pipeline_trigger import FILE_SYSTEM, HEAD_NODE, OUTPUT_BUCKET, SITE, properties
-from training.pipeline.runs import RUN_ID
+from training.pipeline.run_record import RUN_ID
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 

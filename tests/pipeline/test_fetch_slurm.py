@@ -23,8 +23,8 @@ from tests.support.hub_standin import HubStandin, running_hub
 from tests.support.moto_server import moto_endpoint
 from training.config.site import Site
 from training.local.tiny import make_tiny_sources
-from training.pipeline import runs
 from training.pipeline.hub import FETCH_MANIFEST
+from training.pipeline.submit import cancel, submit, wait
 
 REPO = "meta-llama/Tiny-Llama"
 READ_TOKEN = "hf_read_0123456789abcdefghij"
@@ -83,9 +83,9 @@ def test_a_first_run_fetches_its_model_trains_it_and_pushes_the_result(
         f"prepare.source={sources['source']}",
         "steps=2",
     ]
-    result = runs.submit("tiny-llama-cpt", overrides, run_id="first", site=site, dry_run=False)
+    result = submit("tiny-llama-cpt", overrides, run_id="first", site=site, dry_run=False)
     run_dir = Path(result["run_dir"])
-    rows = runs.wait(run_dir, timeout=900)
+    rows = wait(run_dir, timeout=900)
     assert {row["stage"]: row["state"] for row in rows} == dict.fromkeys(
         ["fetch-tokenizer", "fetch", "prepare", "convert-in", "compile", "preflight", "train", "convert-out"]
         + ["evaluate", "sample", "export"],
@@ -108,13 +108,13 @@ def test_a_first_run_fetches_its_model_trains_it_and_pushes_the_result(
     assert read_arn in scripts and f"fetched {REPO} at {commit}" in logs
     # A second run of the same recipe finds the model there and downloads nothing.
     before = [r for r in hub.requests if r.startswith(("GET", "HEAD")) and REPO in r]
-    again = runs.submit("tiny-llama-cpt", overrides, run_id="second", site=site, dry_run=False)
+    again = submit("tiny-llama-cpt", overrides, run_id="second", site=site, dry_run=False)
     fetch_job, second = again["jobs"]["fetch"], Path(again["run_dir"])
     assert "fetch-tokenizer" not in again["jobs"]  # prepare reads the model's own tokenizer
     deadline = time.monotonic() + 300
     while not (second / "state" / "fetch.done").exists() and time.monotonic() < deadline:
         time.sleep(1)
-    runs.cancel(second)  # the rest of the run is the first one's again
+    cancel(second)  # the rest of the run is the first one's again
     assert [r for r in hub.requests if r.startswith(("GET", "HEAD")) and REPO in r] == before
     log = second / "logs" / f"fetch-{fetch_job}.out"
     assert "already; nothing downloaded" in log.read_text() and os.path.isfile(fetched / "config.json")

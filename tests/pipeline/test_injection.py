@@ -25,7 +25,8 @@ from training.config.loading import ONE_LINE, ConfigError
 from training.config.recipe import RECIPES_DIR, Recipe, load_recipe
 from training.config.site import Site, load_site
 from training.errors import UserError
-from training.pipeline.runs import RENDEZVOUS_PORTS, plan_run, processes_per_node, render
+from training.pipeline.plan import plan_run, processes_per_node
+from training.pipeline.scripts import RENDEZVOUS_PORTS, render
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 

@@ -29,7 +29,8 @@ from training.cli import main
 from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 from training.config.site import Site
-from training.pipeline.runs import RENDEZVOUS_PORTS, plan_run, processes_per_node, render
+from training.pipeline.plan import plan_run, processes_per_node
+from training.pipeline.scripts import RENDEZVOUS_PORTS, render
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_SCRIPT = ROOT / "assets" / "node" / "on_node_configured.sh"

@@ -31,8 +31,13 @@ from tests.support.parallelcluster_shell import (
 )
 from training import outputs
 from training.config.site import Site
+from training.errors import UserError
 from training.local.tiny import make_tiny_sources
-from training.pipeline import runs, timeline
+from training.pipeline import timeline
+from training.pipeline.run_record import latest_jobs, read_run
+from training.pipeline.slurm_client import ACTIVE_STATES, job_info
+from training.pipeline.status import print_status, stage_states, unavailable_nodes
+from training.pipeline.submit import cancel, queued_jobs, submit, wait
 from training.train.loop import KILL_AT_STEP
 
 TIMEOUT = 600
@@ -70,12 +75,12 @@ def overrides(world: dict[str, Path], *extra: str) -> list[str]:
 
 
 def run(recipe: str, world: dict[str, Path], site: Site, run_id: str, *extra: str) -> Path:
-    result = runs.submit(recipe, overrides(world, *extra), run_id=run_id, site=site, dry_run=False)
+    result = submit(recipe, overrides(world, *extra), run_id=run_id, site=site, dry_run=False)
     return Path(result["run_dir"])
 
 
 def states(run_dir: Path) -> dict[str, str]:
-    return {row["stage"]: row["state"] for row in runs.wait(run_dir, timeout=TIMEOUT)}
+    return {row["stage"]: row["state"] for row in wait(run_dir, timeout=TIMEOUT)}
 
 
 def model_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -162,7 +167,7 @@ def reference_runs(
         assert record is not None and record["run_id"] == name, done.stdout
         submitted[name] = Path(site.runs_root) / name
     # Submitting a run that is queued or running does nothing.
-    again = runs.submit(
+    again = submit(
         "tiny-llama-cpt",
         overrides(sources["llama"], "steps=10", "checkpoint.every=5"),
         run_id="llama",
@@ -176,7 +181,7 @@ def reference_runs(
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
 def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str, Path], site: Site) -> None:
     run_dir = reference_runs[name]
-    assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
+    assert set(states(run_dir).values()) == {"COMPLETED"}, stage_states(run_dir)
     record = json.loads((run_dir / "run.json").read_text())
     stages = ["prepare", "convert-in", "compile", "preflight", "train", "convert-out", "evaluate", "sample", "export"]
     assert record["stages"] == stages
@@ -185,7 +190,7 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     checked = json.loads((run_dir / "preflight.json").read_text())
     train_job = record["submissions"][0]["jobs"]["train"]
     assert checked["failure"] is None and checked["pinned"] == f"job {train_job} pinned to {checked['nodelist']}"
-    train = runs.job_info(train_job, site.slurm_bin)
+    train = job_info(train_job, site.slurm_bin)
     assert train["NodeList"] == train["ReqNodeList"] == checked["nodelist"]
     assert (
         f"preflight: training on the checked nodes {checked['nodelist']}"
@@ -231,7 +236,7 @@ def test_training_over_two_nodes_matches_one_node(
     run_dir = run(
         "tiny-llama-cpt", sources["llama"], two_nodes, "llama-2-nodes", "steps=10", "checkpoint.every=5", "nodes=2"
     )
-    assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
+    assert set(states(run_dir).values()) == {"COMPLETED"}, stage_states(run_dir)
     assert "#SBATCH --nodes=2" in (run_dir / "jobs" / "train.sbatch").read_text()
     log = next((run_dir / "logs").glob("train-*.out")).read_text()
     assert "2 nodes x 1 processes" in log
@@ -254,9 +259,9 @@ def test_killed_training_job_is_requeued_and_ends_with_identical_weights(
         run_dir = run(recipe, sources[name], site, f"{name}-killed", "steps=10", "checkpoint.every=5")
     finally:
         del os.environ[KILL_AT_STEP]
-    assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
+    assert set(states(run_dir).values()) == {"COMPLETED"}, stage_states(run_dir)
     job = json.loads((run_dir / "run.json").read_text())["submissions"][0]["jobs"]["train"]
-    assert runs.job_info(job, site.slurm_bin).get("Restarts") == "1"
+    assert job_info(job, site.slurm_bin).get("Restarts") == "1"
     log = (run_dir / "logs" / f"train-{job}.out").read_text()
     assert "fault injection: rank 0 kills itself after step 7" in log and "requeued to resume" in log
     assert "resumed from step 5" in log
@@ -285,10 +290,10 @@ def test_a_run_below_its_throughput_floor_stops_with_the_reason_not_requeued_and
     assert final["compile"] == "COMPLETED" and final["train"] == "FAILED", final
     assert {final[s] for s in ("convert-out", "evaluate", "sample", "export")} == {"CANCELLED"}
     job = recorded_jobs(run_dir)["train"]
-    assert runs.job_info(job, site.slurm_bin).get("Restarts") == "0"
+    assert job_info(job, site.slurm_bin).get("Restarts") == "0"
     reason = "throughput below the floor at step 4: actual "
     assert f"train stopped, not requeued: {reason}" in (run_dir / "logs" / f"train-{job}.out").read_text()
-    runs.print_status(run_dir)
+    print_status(run_dir)
     printed = capsys.readouterr().out.splitlines()
     assert any(line.startswith(f"train stopped, not requeued: {reason}") for line in printed), printed
     assert any(
@@ -321,15 +326,15 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
     assert first["prepare"] == "COMPLETED" and first["convert-in"] == "FAILED"
     cancelled = ("compile", "preflight", "train", "convert-out", "evaluate", "sample", "export")
     assert {first[s] for s in cancelled} == {"CANCELLED"}
-    assert runs.print_status(run_dir)
+    assert print_status(run_dir)
     printed = capsys.readouterr().out
     assert "convert-in ended FAILED; last lines of" in printed and f"--input {late}: no such directory" in printed
 
     shutil.copytree(sources["llama"]["hf"], late)
-    resumed = runs.submit("tiny-llama-cpt", overrides(world, *extra), run_id="llama-failing", site=site, dry_run=False)
+    resumed = submit("tiny-llama-cpt", overrides(world, *extra), run_id="llama-failing", site=site, dry_run=False)
     assert list(resumed["jobs"]) == ["convert-in", *cancelled]
     assert resumed["kept"] == {}  # nothing of the failed run was queued any more
-    assert set(states(run_dir).values()) == {"COMPLETED"}, runs.stage_states(run_dir)
+    assert set(states(run_dir).values()) == {"COMPLETED"}, stage_states(run_dir)
 
 
 def test_a_failed_evaluation_still_samples_and_exports_and_status_shows_it(
@@ -349,7 +354,7 @@ def test_a_failed_evaluation_still_samples_and_exports_and_status_shows_it(
         publish_blocker(run_dir, evaluated=True)
         == f"{run_dir / 'evaluation.json'}: no evaluation (the evaluate stage did not finish)"
     )
-    runs.print_status(run_dir)
+    print_status(run_dir)
     printed = capsys.readouterr().out
     assert "evaluate ended FAILED; last lines of" in printed and "'no_such_task' not known" in printed
 
@@ -432,9 +437,9 @@ def test_a_slow_node_fails_the_preflight_in_one_line_and_training_never_starts(
         assert checked["results"][checked["nodes"][0]]["problems"] == []
         assert preflight_drained(slurm) == ({checked["nodes"][1]: expected} if drained else {})
         assert ("DRAIN" in slurm.node_states()[checked["nodes"][1]]) == drained
-        runs.print_status(run_dir)
+        print_status(run_dir)
         printed = capsys.readouterr().out
-        job = runs.latest_jobs(runs.read_run(run_dir))["preflight"]
+        job = latest_jobs(read_run(run_dir))["preflight"]
         assert f"{'preflight':<12} {job:>8} {'FAILED':<12}" in printed
         assert printed.count(expected) >= 2  # the stage's note and the tail of its log
     finally:
@@ -487,7 +492,7 @@ def test_compiled_graphs_above_the_memory_plan_fail_the_preflight_and_drain_no_n
         compile_metrics = (run_dir / "checkpoints" / "metrics-compile.jsonl").read_text().splitlines()
         assert len(compile_metrics) == 2  # the compile stage's, not appended to by the canary
         assert not (run_dir / "checkpoints" / "metrics.jsonl").exists()
-        runs.print_status(run_dir)
+        print_status(run_dir)
         assert expected in capsys.readouterr().out
     finally:
         for node in preflight_drained(slurm):
@@ -549,7 +554,7 @@ def submit_killed_after(stage: str, run_id: str, world: dict[str, Path], site: S
 
 
 def recorded_jobs(run_dir: Path) -> dict[str, str]:
-    return runs.latest_jobs(json.loads((run_dir / "run.json").read_text()))
+    return latest_jobs(json.loads((run_dir / "run.json").read_text()))
 
 
 def test_a_killed_submit_is_completed_by_its_rerun_with_one_job_per_stage(
@@ -562,15 +567,15 @@ def test_a_killed_submit_is_completed_by_its_rerun_with_one_job_per_stage(
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     run_dir = Path(site.runs_root) / "llama-killed-submit"
     assert list(recorded_jobs(run_dir)) == ["prepare", "convert-in"]
-    compile_job = runs.queued_jobs(run_dir, site.slurm_bin).get("compile")
+    compile_job = queued_jobs(run_dir, site.slurm_bin).get("compile")
     assert compile_job is not None and compile_job not in recorded_jobs(run_dir).values()
 
     world = overrides(sources["llama"], "steps=4", "checkpoint.every=2")
-    result = runs.submit("tiny-llama-cpt", world, run_id="llama-killed-submit", site=site, dry_run=False)
+    result = submit("tiny-llama-cpt", world, run_id="llama-killed-submit", site=site, dry_run=False)
     assert result["kept"]["compile"] == compile_job  # with prepare and convert-in while they are queued
     assert list(result["jobs"]) == ["preflight", "train", "convert-out", "evaluate", "sample", "export"]  # none kept
     rerun = Path(result["run_dir"])
-    assert set(states(rerun).values()) == {"COMPLETED"}, runs.stage_states(rerun)
+    assert set(states(rerun).values()) == {"COMPLETED"}, stage_states(rerun)
     assert recorded_jobs(run_dir)["compile"] == compile_job
     logs = sorted(p.name.rsplit("-", 1)[0] for p in (run_dir / "logs").glob("*.out"))
     stages = json.loads((run_dir / "run.json").read_text())["stages"]
@@ -584,9 +589,9 @@ def test_cancel_finds_the_job_a_killed_submit_did_not_record(
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     run_dir = Path(site.runs_root) / "llama-killed-early"
     assert recorded_jobs(run_dir) == {}
-    job = runs.queued_jobs(run_dir, site.slurm_bin)["prepare"]
-    assert runs.cancel(run_dir) == [job]
-    assert runs.queued_jobs(run_dir, site.slurm_bin) == {}
+    job = queued_jobs(run_dir, site.slurm_bin)["prepare"]
+    assert cancel(run_dir) == [job]
+    assert queued_jobs(run_dir, site.slurm_bin) == {}
     assert f"cancelled jobs {job}" in capsys.readouterr().out
 
 
@@ -617,7 +622,7 @@ def test_custom_resource_cancel_stops_every_job_of_the_run(
     jobs = json.loads((run_dir / "run.json").read_text())["submissions"][0]["jobs"]
     assert f"cancelled jobs {', '.join(sorted(jobs.values(), key=int))}" in cancelled.stdout
     final = states(run_dir)
-    assert final["train"] == "CANCELLED" and not set(final.values()) & runs.ACTIVE_STATES
+    assert final["train"] == "CANCELLED" and not set(final.values()) & ACTIVE_STATES
     again = head_node_script(scripts.cancel_script(props, "llama-cancelled"), node_path, tmp_path)
     assert again.returncode == 0 and "cancelled jobs (none active)" in again.stdout, again.stderr
     site_file = mount / "pipeline" / "site-local.yaml"
@@ -629,10 +634,8 @@ def test_custom_resource_cancel_stops_every_job_of_the_run(
 def test_a_slurm_command_outside_the_site_prefix_is_not_found(site: Site, slurm: Any) -> None:
     """The conditions above are real: without the prefix, this process cannot reach Slurm."""
     assert shutil.which("sbatch") is None and shutil.which("python3") is None
-    with pytest.raises(runs.UserError, match="sbatch: not found on PATH"):
-        runs.submit(
-            "tiny-llama-cpt", [], run_id="no-slurm", site=site.model_copy(update={"slurm_bin": None}), dry_run=False
-        )
+    with pytest.raises(UserError, match="sbatch: not found on PATH"):
+        submit("tiny-llama-cpt", [], run_id="no-slurm", site=site.model_copy(update={"slurm_bin": None}), dry_run=False)
 
 
 def test_unavailable_nodes_are_one_line_per_reason() -> None:
@@ -641,11 +644,11 @@ def test_unavailable_nodes_are_one_line_per_reason() -> None:
         "(Code:InsufficientInstanceCapacity)Failure when resuming nodes|down~|compute1-dy-trn1-4\n"
         "neuron devices missing|drained|compute1-st-trn1-1\n"
     )
-    assert runs.unavailable_nodes(reasons) == (
+    assert unavailable_nodes(reasons) == (
         "(Code:InsufficientInstanceCapacity)Failure when resuming nodes (down~): "
         "compute1-dy-trn1-[1-3],compute1-dy-trn1-4; neuron devices missing (drained): compute1-st-trn1-1"
     )
-    assert runs.unavailable_nodes("") is None
+    assert unavailable_nodes("") is None
 
 
 def test_status_says_why_nodes_cannot_start(
@@ -663,8 +666,8 @@ def test_status_says_why_nodes_cannot_start(
         run_dir = run(
             "tiny-llama-cpt", sources["llama"], site, "llama-no-capacity", "steps=2", "nodes=3", "batch.global=12"
         )
-        runs.print_status(run_dir)
-        runs.cancel(run_dir)
+        print_status(run_dir)
+        cancel(run_dir)
     finally:
         slurm.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
     printed = capsys.readouterr().out.splitlines()

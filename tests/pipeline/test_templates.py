@@ -18,7 +18,9 @@ from stacks.pipeline_site import site_settings
 from tests.support.system_tools import require_tool
 from training.config.recipe import load_recipe
 from training.config.site import Site
-from training.pipeline.runs import STAGES, dependency_option, plan_run, render, stage_command, stage_time_minutes
+from training.pipeline.plan import STAGES, plan_run
+from training.pipeline.scripts import render, stage_command, stage_time_minutes
+from training.pipeline.submit import dependency_option
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"

@@ -44,25 +44,28 @@ def add_arguments(commands: Subcommands, prog: str) -> None:
 
 def run_submit(arguments: argparse.Namespace) -> int:
     from training.config.site import load_site
-    from training.pipeline import runs
+    from training.pipeline.submit import submit
 
     site = load_site(site_file(arguments.site))
-    runs.submit(arguments.recipe, arguments.overrides, run_id=arguments.run_id, site=site, dry_run=arguments.dry_run)
+    submit(arguments.recipe, arguments.overrides, run_id=arguments.run_id, site=site, dry_run=arguments.dry_run)
     return 0
 
 
 def run_status(arguments: argparse.Namespace) -> int:
     """Exit status 1 when a stage failed (neither completed nor still active)."""
     from training.config.site import load_site
-    from training.pipeline import runs
+    from training.pipeline.run_record import find_run_dir
+    from training.pipeline.slurm_client import ACTIVE_STATES
+    from training.pipeline.status import print_status
 
-    rows = runs.print_status(runs.find_run_dir(load_site(site_file(arguments.site)), arguments.run_id))
-    return 1 if any(row["state"] not in ("COMPLETED", *runs.ACTIVE_STATES) for row in rows) else 0
+    rows = print_status(find_run_dir(load_site(site_file(arguments.site)), arguments.run_id))
+    return 1 if any(row["state"] not in ("COMPLETED", *ACTIVE_STATES) for row in rows) else 0
 
 
 def run_cancel(arguments: argparse.Namespace) -> int:
     from training.config.site import load_site
-    from training.pipeline import runs
+    from training.pipeline.run_record import find_run_dir
+    from training.pipeline.submit import cancel
 
-    runs.cancel(runs.find_run_dir(load_site(site_file(arguments.site)), arguments.run_id))
+    cancel(find_run_dir(load_site(site_file(arguments.site)), arguments.run_id))
     return 0

@@ -17,14 +17,15 @@ from training.config.site import Site
 from training.errors import ArgumentParser, guarded
 from training.local.tiny import make_tiny_sources
 from training.logs import setup_logging
-from training.pipeline import runs
+from training.pipeline.status import stage_states
+from training.pipeline.submit import submit, wait
 
 log = logging.getLogger(__name__)
 RECIPES = {"tiny-llama-cpt": ("llama", "work/tiny-llama"), "tiny-mixtral-sft": ("mixtral", "work/tiny-mixtral")}
 
 
 def summarize(run_dir: Path, results: Path, seconds: float) -> bool:
-    rows = runs.stage_states(run_dir)
+    rows = stage_states(run_dir)
     completed = all(row["state"] == "COMPLETED" for row in rows)
     print(f"\n== {run_dir.name}: {'COMPLETED' if completed else 'FAILED'} in {seconds:.0f} s")
     for row in rows:
@@ -80,12 +81,12 @@ def run(nodes: int, timeout: float, keep_slurm: bool) -> int:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         started = time.monotonic()
         run_dirs = [
-            Path(runs.submit(recipe, [], run_id=f"{recipe}-{stamp}", site=site, dry_run=False)["run_dir"])
+            Path(submit(recipe, [], run_id=f"{recipe}-{stamp}", site=site, dry_run=False)["run_dir"])
             for recipe in RECIPES
         ]
         ok = True
         for run_dir in run_dirs:
-            runs.wait(run_dir, timeout=timeout)
+            wait(run_dir, timeout=timeout)
             ok &= summarize(run_dir, Path(site.results).absolute(), time.monotonic() - started)
     finally:
         if not keep_slurm:

@@ -40,7 +40,10 @@ from training.monitoring.cloudwatch import (
     print_requests,
     put_metrics,
 )
-from training.pipeline import runs, timeline
+from training.pipeline import timeline
+from training.pipeline.run_record import find_run_dir, read_run
+from training.pipeline.slurm_client import ACTIVE_STATES, slurm_output
+from training.pipeline.status import stage_states, train_records
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +144,7 @@ def node_data(sinfo: str, partitions: Iterable[str] = ()) -> list[Datum]:
 
 
 def failed(row: Mapping[str, Any], run_dir: Path | None = None) -> bool:
-    """Whether one stage row of `runs.stage_states` (of the run in `run_dir`) is a failed stage.
+    """Whether one stage row of `training.pipeline.status.stage_states` (of the run in `run_dir`) is a failed stage.
 
     ParallelCluster's Slurm forgets a finished job after MinJobAge (300 s by default; the local Slurm keeps them
     a day), and the stage's state is then UNKNOWN: a stage whose job ran (its log exists) and never wrote its
@@ -170,15 +173,15 @@ def failed_stages(rows: Iterable[Mapping[str, Any]], run_dir: Path | None = None
 def collect(site: Site) -> list[Datum]:
     """One pass over the site's Slurm and newest run (the thin shell around the parsers)."""
 
-    squeue = runs._slurm(site.slurm_bin, *SQUEUE_COMMAND)
-    sinfo = runs._slurm(site.slurm_bin, *SINFO_COMMAND)
+    squeue = slurm_output(site.slurm_bin, *SQUEUE_COMMAND)
+    sinfo = slurm_output(site.slurm_bin, *SINFO_COMMAND)
     partitions = [p for name in (site.partition, site.cpu_partition) if name for p in name.split(",")]
     data = job_data(squeue, Path(site.runs_root))
     run_dir: Path | None = None
     rows: list[dict[str, Any]] = []
     try:
-        run_dir = runs.find_run_dir(site, None)
-        rows = runs.stage_states(run_dir)
+        run_dir = find_run_dir(site, None)
+        rows = stage_states(run_dir)
     except UserError:
         pass  # no run yet
     data.append(failed_stages(rows, run_dir))
@@ -189,15 +192,15 @@ def collect(site: Site) -> list[Datum]:
 
 
 def stage_data(run_dir: Path, rows: Iterable[Mapping[str, Any]], now: float) -> list[Datum]:
-    """StageSeconds of the run in `run_dir`, whose stage rows (runs.stage_states) say whether it is active."""
+    """StageSeconds of the run in `run_dir`, whose stage rows (`stage_states`) say whether it is active."""
     events = timeline.read_timeline(run_dir)
     if not events:
         return []
     attempts = timeline.latest_attempts(events)
     train = attempts.get(timeline.TRAIN)
-    first = timeline.first_step_time(runs.train_records(run_dir), train.start) if train is not None else None
-    active = any(row.get("state") in runs.ACTIVE_STATES for row in rows)
-    return timeline.stage_seconds(runs.read_run(run_dir)["stages"], attempts, first, active=active, now=now)
+    first = timeline.first_step_time(train_records(run_dir), train.start) if train is not None else None
+    active = any(row.get("state") in ACTIVE_STATES for row in rows)
+    return timeline.stage_seconds(read_run(run_dir)["stages"], attempts, first, active=active, now=now)
 
 
 def monitor_cluster(site: Site, namespace: str, *, dry_run: bool, client: MetricsClient | None = None) -> list[Datum]:

@@ -38,6 +38,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from training import outputs
+from training.config.loading import StrictModel
+from training.config.recipe import Recipe, load_recipe
 from training.errors import UserError
 from training.pipeline.hub import file_hashes
 
@@ -57,8 +59,8 @@ ENTRY = re.compile(r"\Aneuronxcc-[A-Za-z0-9.+_-]+/MODULE_[A-Za-z0-9+_.-]+\Z")
 # --- the key: what decides the graphs (pure) ----------------------------------------------------------------
 
 
-def graph_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """The recipe settings (as run.json records them) that change the compiled graphs.
+def graph_settings(recipe: Recipe) -> dict[str, Any]:
+    """The run's resolved recipe's settings that change the compiled graphs, spelt as run.json records them.
 
     In: the model's layout and the parallel plan (tp, pp, kv multiplier, fused QKV, sequence parallel), memory
     (activation checkpointing, flash attention), MoE capacity, precision, backend, nodes, the batch's shape (global,
@@ -68,22 +70,25 @@ def graph_settings(settings: dict[str, Any]) -> dict[str, Any]:
     Out: the learning rate and its schedule (a device tensor overwritten each step, training.train.optimizer),
     steps (the compile run takes two whatever the run's length), seeds, data paths and checkpoints (the compile run
     saves nothing), the runtime's in-flight requests and retry_failed_compilation (neither changes a graph)."""
-    optimizer = {k: v for k, v in settings["optimizer"].items() if k != "lr"}
+
+    def spelt(section: StrictModel, **leave_out: Any) -> dict[str, Any]:
+        return section.model_dump(mode="json", by_alias=True, **leave_out)
+
     return {
-        "backend": settings.get("backend"),
-        "precision": settings.get("precision"),
-        "nodes": settings.get("nodes"),
-        "batch": dict(settings["batch"]),
-        "parallelism": dict(settings.get("parallelism") or {}),
-        "memory": dict(settings.get("memory") or {}),
-        "moe": dict(settings.get("moe") or {}),
-        "optimizer": optimizer,
-        "compiler_flags": list((settings.get("neuron") or {}).get("compiler_flags") or ()),
+        "backend": recipe.backend,
+        "precision": recipe.precision,
+        "nodes": recipe.nodes,
+        "batch": spelt(recipe.batch),
+        "parallelism": spelt(recipe.parallelism),
+        "memory": spelt(recipe.memory),
+        "moe": spelt(recipe.moe),
+        "optimizer": spelt(recipe.optimizer, exclude={"lr"}),
+        "compiler_flags": list(recipe.neuron.compiler_flags),
     }
 
 
 def key_inputs(
-    settings: dict[str, Any],
+    recipe: Recipe,
     model_config: dict[str, Any] | None,
     *,
     instance_type: str | None,
@@ -96,7 +101,7 @@ def key_inputs(
         "instance_type": instance_type,
         "processes_per_node": processes_per_node,
         "model_config": model_config,
-        "recipe": graph_settings(settings),
+        "recipe": graph_settings(recipe),
     }
 
 
@@ -218,20 +223,19 @@ class RunCache:
 
 def run_cache(run_dir: Path) -> RunCache:
     """The run's cache directory, store and key, from its run record and the installed packages."""
-    from training.config.recipe import load_recipe
     from training.config.site import Site
-    from training.pipeline.runs import processes_per_node, read_run
+    from training.pipeline.plan import processes_per_node
+    from training.pipeline.run_record import read_run
 
     run = read_run(run_dir)
     site = Site.model_validate(run["site"])
     if not site.compile_cache_store:
         raise UserError(f"run {run['run_id']}: its site has no compile_cache_store (where the cache is kept)")
-    settings = run["settings"]
-    recipe = load_recipe(str(run_dir / "recipe.yaml"))
-    config_file = Path(settings["model"]["config"]) / "config.json"
+    recipe = load_recipe(str(run_dir / "recipe.yaml"))  # the run's resolved recipe, as run.json records it
+    config_file = Path(recipe.model.config) / "config.json"
     model_config = json.loads(config_file.read_text()) if config_file.is_file() else None
     inputs = key_inputs(
-        settings,
+        recipe,
         model_config,
         instance_type=site.instance_type,
         processes_per_node=processes_per_node(recipe, site),

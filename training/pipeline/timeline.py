@@ -132,8 +132,6 @@ def describe(stages: Sequence[str], attempts: Mapping[str, Attempt], first_step:
     rows = phases(stages, attempts, first_step)
     if not rows:
         return []
-    from training.pipeline.runs import format_duration  # runs imports this module
-
     lines = ["time to first step:"]
     ran = [attempts[s] for s in stages if s in attempts]
     booted = next((a for a in ran if a.node_boot is not None and a.bootstrap_end is not None), None)
@@ -168,3 +166,16 @@ def stage_seconds(
         for phase in phases(stages, attempts, first_step)
         if phase.seconds is not None
     ]
+
+
+def format_duration(seconds: float) -> str:
+    """'45s', '5m10s', '2h05m', '3d04h'."""
+    whole = round(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -22,13 +22,13 @@ import yaml
 from huggingface_hub import ModelCard
 
 from training.cli import main
-from training.config.recipe import load_recipe
+from training.config.recipe import load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.errors import UserError
 from training.local.tiny import sample_documents, tiny_model, write_jsonl
-from training.pipeline import card
+from training.pipeline import card, card_inputs
 from training.pipeline.export import export
-from training.pipeline.runs import plan_run
+from training.pipeline.plan import plan_run
 from training.software import BOOTSTRAP_SCRIPT, CLUSTER_LOCK, ENV_MARKER, Pins, pinned_neuron_release, running_pins
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
@@ -66,7 +66,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     tokenizer = train_tokenizer(root / "tokenizer")
     base = tiny_model(root / "base", tokenizer)
     # As the fetch stage records a model it downloaded from the Hub.
-    (base / card.FETCH_MANIFEST).write_text(
+    (base / card_inputs.FETCH_MANIFEST).write_text(
         json.dumps({"repo_id": REPO_ID, "revision": "d04e592bb4f6aa9cfee91e2e20afa771667e1d4b", "license": "llama3.1"})
     )
     (base / "LICENSE").write_text("LLAMA 3.1 COMMUNITY LICENSE AGREEMENT\n")
@@ -78,14 +78,15 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     plan = plan_run(recipe, site, "run-1")
     run = plan.run_dir
     run.mkdir(parents=True)
+    settings = recipe_as_dict(plan.resolved)
     # What `submit` writes before the first sbatch.
-    (run / "recipe.yaml").write_text(yaml.safe_dump(plan.settings, sort_keys=False))
+    (run / "recipe.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     record = {
         "run_id": plan.run_id,
         "recipe": recipe.name,
         "recipe_file": "tiny-llama-cpt",
         "overrides": overrides,
-        "settings": plan.settings,
+        "settings": settings,
         "site": site.model_dump(mode="json"),
         "stages": [s.name for s in plan.stages],
         "submissions": [],
@@ -93,7 +94,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     (run / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     prepare = ["prepare", "pretrain", "--source", str(corpus), "--tokenizer", str(tokenizer)]
     assert main([*prepare, "--output", str(run / "data"), "--seq-len", "32", "--num-proc", "1"]) == 0
-    not_converted = shutil.ignore_patterns(card.FETCH_MANIFEST, "LICENSE", "USE_POLICY.md")  # convert copies neither
+    # convert copies neither
+    not_converted = shutil.ignore_patterns(card_inputs.FETCH_MANIFEST, "LICENSE", "USE_POLICY.md")
     shutil.copytree(base, run / "hf", ignore=not_converted)  # the trained model
     (run / "checkpoints").mkdir()
     (run / "checkpoints" / "metrics.jsonl").write_text(metrics_lines(6))
@@ -167,7 +169,7 @@ def test_exports_of_the_same_run_write_the_same_card_and_reuse_the_output(
     assert (run_dir / "hf" / "README.md").stat().st_mtime_ns == written  # not rewritten
     first, second = (tmp_path / name / "hf" / "README.md" for name in ("first", "second"))
     assert first.read_bytes() == second.read_bytes()
-    assert card.card_text(card.read_inputs(run_dir, plot=True)).encode() == first.read_bytes()
+    assert card.card_text(card_inputs.read_inputs(run_dir, plot=True)).encode() == first.read_bytes()
 
 
 def change_evaluation(run: Path, base: Path) -> str:
@@ -177,8 +179,8 @@ def change_evaluation(run: Path, base: Path) -> str:
 
 
 def change_licence(run: Path, base: Path) -> str:
-    record = json.loads((base / card.FETCH_MANIFEST).read_text())
-    (base / card.FETCH_MANIFEST).write_text(json.dumps({**record, "license": "llama3.2"}))
+    record = json.loads((base / card_inputs.FETCH_MANIFEST).read_text())
+    (base / card_inputs.FETCH_MANIFEST).write_text(json.dumps({**record, "license": "llama3.2"}))
     return "license: llama3.2"
 
 
@@ -222,9 +224,9 @@ def test_a_run_with_only_its_model_gets_a_card_that_says_what_did_not_run(tmp_pa
 
 
 def test_a_base_model_without_a_fetch_record_is_named_by_its_own_files(tmp_path: Path, made: Made) -> None:
-    fetched = shutil.ignore_patterns(card.FETCH_MANIFEST, "LICENSE", "USE_POLICY.md")
+    fetched = shutil.ignore_patterns(card_inputs.FETCH_MANIFEST, "LICENSE", "USE_POLICY.md")
     base = shutil.copytree(made.base, tmp_path / "Mixtral-8x7B", ignore=fetched)
-    unknown = card.read_base_model(base)
+    unknown = card_inputs.read_base_model(base)
     assert (unknown.name, unknown.hub_id, unknown.license, unknown.licence_files) == (
         "Mixtral-8x7B",
         None,
@@ -233,13 +235,13 @@ def test_a_base_model_without_a_fetch_record_is_named_by_its_own_files(tmp_path:
     )
     assert "no `fetch-manifest.json`" in (unknown.note or "") and "not recorded" in (unknown.note or "")
 
-    (base / card.FETCH_MANIFEST).write_text("{not json")  # a damaged record counts as none
+    (base / card_inputs.FETCH_MANIFEST).write_text("{not json")  # a damaged record counts as none
     (base / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: [fr, en]\n---\n\n# Mixtral\n")
     config = json.loads((base / "config.json").read_text())
     (base / "config.json").write_text(json.dumps({**config, "_name_or_path": "mistralai/Mixtral-8x7B-v0.1"}))
-    found = card.read_base_model(base)
+    found = card_inputs.read_base_model(base)
     assert (found.hub_id, found.license, found.model_type) == ("mistralai/Mixtral-8x7B-v0.1", "apache-2.0", "llama")
-    inputs = card.CardInputs(run_id="r", recipe_name=None, base=found)
+    inputs = card_inputs.CardInputs(run_id="r", recipe_name=None, base=found)
     parsed = ModelCard(card.card_text(inputs))
     assert (parsed.data.license, parsed.data.base_model) == ("apache-2.0", "mistralai/Mixtral-8x7B-v0.1")
 
@@ -264,8 +266,9 @@ def test_a_mix_names_its_sources_shares_and_hub_datasets(made: Made) -> None:
         {"source": "HuggingFaceFW/fineweb-edu:sample-10BT", "weight": 0.7, "token_share": 0.6843},
         {"source": "/fsx/data/code.jsonl", "weight": 0.3, "token_share": 0.3157},
     ]
-    data = card.data_from_manifest({**manifest, "sources": mix, "data_sha256": "a" * 64})
-    inputs = card.CardInputs(run_id="r", recipe_name="mix", base=card.read_base_model(made.base), data=data)
+    data = card_inputs.data_from_manifest({**manifest, "sources": mix, "data_sha256": "a" * 64})
+    base = card_inputs.read_base_model(made.base)
+    inputs = card_inputs.CardInputs(run_id="r", recipe_name="mix", base=base, data=data)
     text = card.card_text(inputs)
     assert ModelCard(text).data.datasets == ["HuggingFaceFW/fineweb-edu"]
     assert "| `HuggingFaceFW/fineweb-edu:sample-10BT` | 0.7 | 0.6843 |" in text
@@ -273,10 +276,10 @@ def test_a_mix_names_its_sources_shares_and_hub_datasets(made: Made) -> None:
 
 
 def test_model_output_cannot_break_out_of_its_block_or_a_table() -> None:
-    samples = card.Samples(3, (card.Sample("```\n# heading", "a ````` b", "c | d"),))
-    evaluation = card.Evaluation((card.TaskResult("x|y", "acc", 0.5, None, None, None),), None, None, ())
-    base = card.read_base_model(None)
-    inputs = card.CardInputs(run_id="r", recipe_name=None, base=base, samples=samples, evaluation=evaluation)
+    samples = card_inputs.Samples(3, (card_inputs.Sample("```\n# heading", "a ````` b", "c | d"),))
+    evaluation = card_inputs.Evaluation((card_inputs.TaskResult("x|y", "acc", 0.5, None, None, None),), None, None, ())
+    base = card_inputs.read_base_model(None)
+    inputs = card_inputs.CardInputs(run_id="r", recipe_name=None, base=base, samples=samples, evaluation=evaluation)
     text = card.card_text(inputs)
     assert "``````text\na ````` b\n``````" in text and "````text\n```\n# heading\n````" in text
     assert "| `x\\|y` | `acc` | n/a | 0.5 | n/a | all |" in text

@@ -233,7 +233,7 @@ def test_the_bundled_recipes_name_tasks_of_the_installed_harness() -> None:
 
 
 def test_status_shows_the_gate_of_the_evaluate_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from training.pipeline import runs
+    from training.pipeline.status import print_status, stage_states
 
     run_dir = tmp_path / "run-1"
     run_dir.mkdir()
@@ -245,9 +245,9 @@ def test_status_shows_the_gate_of_the_evaluate_stage(tmp_path: Path, capsys: pyt
         "gate": {"max_drop": 5.0, "passed": False, "failures": [failure]},
     }
     (run_dir / EVALUATION_JSON).write_text(json.dumps(report))
-    (row,) = runs.print_status(run_dir)
+    (row,) = print_status(run_dir)
     assert row["note"] == f"gate FAILED: {failure}" and row["note"] in capsys.readouterr().out
     report["gate"] = {"max_drop": 200.0, "passed": True, "failures": []}
     (run_dir / EVALUATION_JSON).write_text(json.dumps(report))
-    (row,) = runs.stage_states(run_dir)
+    (row,) = stage_states(run_dir)
     assert row["note"] == "gate passed (max_drop 200); lowest difference -100.00 points (tiny_choice)"

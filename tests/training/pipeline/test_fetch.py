@@ -24,7 +24,8 @@ from training.config.site import Site
 from training.errors import UserError
 from training.local.tiny import tiny_model, train_tokenizer
 from training.pipeline.hub import FETCH_MANIFEST, copy_destination, fetch_model, push_model, tokenizer_source
-from training.pipeline.runs import plan_run, render
+from training.pipeline.plan import plan_run
+from training.pipeline.scripts import render
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
@@ -298,7 +299,7 @@ def test_the_tokenizer_comes_first_and_prepare_runs_while_the_model_downloads(tm
     assert after["prepare"] == ("fetch-tokenizer",) and after["convert-in"] == ("fetch",)
     assert "fetch" in after["compile"]  # the model's config.json, also when no weights are converted
     run_dir = tmp_path / "runs" / "RUN"
-    assert plan.settings["prepare"]["tokenizer"] == str(run_dir / "tokenizer")
+    assert plan.resolved.prepare is not None and plan.resolved.prepare.tokenizer == str(run_dir / "tokenizer")
     scripts = render(plan)
     script = scripts["fetch"]
     assert "-m training fetch --recipe " in script and str(run_dir / "recipe.yaml") in script
@@ -329,7 +330,8 @@ def test_a_model_fetched_already_needs_no_tokenizer_stage(tmp_path: Path, hub: H
     plan = plan_run(recipe, cluster_like_site(tmp_path), "RUN")
     names = [stage.name for stage in plan.stages]
     assert "fetch-tokenizer" not in names and names[:2] == ["fetch", "prepare"]
-    assert plan.settings["prepare"]["tokenizer"] == str(Path(recipe.model.config).absolute())
+    assert plan.resolved.prepare is not None
+    assert plan.resolved.prepare.tokenizer == str(Path(recipe.model.config).absolute())
 
 
 def test_a_recipe_without_a_hub_source_has_no_fetch_stage(tmp_path: Path) -> None:

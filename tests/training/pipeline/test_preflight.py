@@ -12,8 +12,9 @@ import pytest
 from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 from training.errors import UserError
-from training.pipeline import preflight
-from training.pipeline.runs import STAGES, Stage, stages_to_submit
+from training.pipeline import preflight, preflight_checks
+from training.pipeline.plan import STAGES, Stage
+from training.pipeline.submit import stages_to_submit
 
 STANDIN = Path(__file__).resolve().parents[3] / "tests" / "support" / "neuron_tools" / "nccom-test"
 
@@ -28,11 +29,11 @@ GUIDE_REPORT = {
 
 
 def test_the_bus_bandwidth_is_the_largest_sizes_not_the_sweeps_average() -> None:
-    assert preflight.bus_bandwidth(json.dumps(GUIDE_REPORT)) == 21.98
+    assert preflight_checks.bus_bandwidth(json.dumps(GUIDE_REPORT)) == 21.98
     with pytest.raises(UserError, match="nccom-test report without results"):
-        preflight.bus_bandwidth('{"results": []}')
+        preflight_checks.bus_bandwidth('{"results": []}')
     with pytest.raises(UserError, match="without results"):
-        preflight.bus_bandwidth("Failure running neuron-bench")
+        preflight_checks.bus_bandwidth("Failure running neuron-bench")
 
 
 def test_the_standin_writes_the_real_tools_report_format(tmp_path: Path) -> None:
@@ -47,7 +48,7 @@ def test_the_standin_writes_the_real_tools_report_format(tmp_path: Path) -> None
         command, env={**environment, "NCCOM_TEST_STANDIN_BUSBW": "1:7.25"}, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert preflight.bus_bandwidth(report.read_text()) == 7.25
+    assert preflight_checks.bus_bandwidth(report.read_text()) == 7.25
     assert done.stdout.splitlines()[0].split() == [
         "size(B)",
         "count(elems)",
@@ -64,27 +65,27 @@ def test_the_standin_writes_the_real_tools_report_format(tmp_path: Path) -> None
 
 def test_floors_are_a_stated_fraction_of_the_published_figures() -> None:
     # 800 Gbps = 93.1 GiB/s of EFA on trn1.32xlarge, twice that on trn1n; a quarter of it
-    assert preflight.efa_floor(HARDWARE["trn1.32xlarge"]) == 23.3
-    assert preflight.efa_floor(HARDWARE["trn1n.32xlarge"]) == 46.6
-    assert preflight.efa_floor(HARDWARE["trn1.2xlarge"]) is None  # no EFA: a single node, nothing across nodes
-    assert preflight.intra_node_floor() == 21.1  # 40 % of the guide's 52.83 GiB/s single-instance all-reduce
+    assert preflight_checks.efa_floor(HARDWARE["trn1.32xlarge"]) == 23.3
+    assert preflight_checks.efa_floor(HARDWARE["trn1n.32xlarge"]) == 46.6
+    assert preflight_checks.efa_floor(HARDWARE["trn1.2xlarge"]) is None  # no EFA: a single node, nothing across nodes
+    assert preflight_checks.intra_node_floor() == 21.1  # 40 % of the guide's 52.83 GiB/s single-instance all-reduce
 
 
 def test_a_slow_all_reduce_is_one_line_naming_the_node_the_number_and_the_floor() -> None:
     hardware = HARDWARE["trn1.32xlarge"]
-    problem = preflight.bandwidth_problem(12.04, 23.3, "all-reduce across 2 nodes", hardware)
-    assert preflight.failure_line("compute1-st-trn1-2", problem or "") == (
+    problem = preflight_checks.bandwidth_problem(12.04, 23.3, "all-reduce across 2 nodes", hardware)
+    assert preflight_checks.failure_line("compute1-st-trn1-2", problem or "") == (
         "preflight: node compute1-st-trn1-2: all-reduce across 2 nodes bus bandwidth 12.0 GB/s below the floor "
         "23.3 GB/s of trn1.32xlarge"
     )
-    assert preflight.bandwidth_problem(23.3, 23.3, "all-reduce", hardware) is None
+    assert preflight_checks.bandwidth_problem(23.3, 23.3, "all-reduce", hardware) is None
 
 
 def test_missing_devices_are_named_in_the_prologs_words() -> None:
-    assert preflight.device_problem(15, 16, 7, 8) == "15 of 16 Neuron devices, 7 of 8 EFA devices"
-    assert preflight.device_problem(16, 16, 0, 8) == "0 of 8 EFA devices"
-    assert preflight.device_problem(16, 16, 8, 8) is None
-    assert preflight.device_problem(1, 1, 0, 0) is None  # trn1.2xlarge: no EFA expected
+    assert preflight_checks.device_problem(15, 16, 7, 8) == "15 of 16 Neuron devices, 7 of 8 EFA devices"
+    assert preflight_checks.device_problem(16, 16, 0, 8) == "0 of 8 EFA devices"
+    assert preflight_checks.device_problem(16, 16, 8, 8) is None
+    assert preflight_checks.device_problem(1, 1, 0, 0) is None  # trn1.2xlarge: no EFA expected
 
 
 def test_device_counts_read_the_same_tree_as_the_prolog(tmp_path: Path) -> None:
@@ -98,29 +99,31 @@ def test_device_counts_read_the_same_tree_as_the_prolog(tmp_path: Path) -> None:
 
 def test_the_checkpoint_must_be_written_within_a_tenth_of_its_interval() -> None:
     # 10 steps of 60 s between checkpoints: 60 s allowed; 32 GB at 400 MB/s take 80 s
-    interval = preflight.checkpoint_interval(10, 60.0)
+    interval = preflight_checks.checkpoint_interval(10, 60.0)
     assert interval == 600.0
-    assert preflight.write_problem(400e6, 32 * 10**9, interval) == (
+    assert preflight_checks.write_problem(400e6, 32 * 10**9, interval) == (
         "shared storage writes 400 MB/s: its 32.0 GB of a checkpoint take 80 s, more than 10% of the 600 s between "
         "checkpoints"
     )
-    assert preflight.write_problem(600e6, 32 * 10**9, interval) is None  # 53 s
+    assert preflight_checks.write_problem(600e6, 32 * 10**9, interval) is None  # 53 s
     # no forecast (the CPU backend) or checkpoints only at the end: measured, not judged
-    assert preflight.checkpoint_interval(10, None) is None and preflight.checkpoint_interval(0, 60.0) is None
-    assert preflight.write_problem(1.0, 32 * 10**9, None) is None
+    assert (
+        preflight_checks.checkpoint_interval(10, None) is None and preflight_checks.checkpoint_interval(0, 60.0) is None
+    )
+    assert preflight_checks.write_problem(1.0, 32 * 10**9, None) is None
 
 
 def test_a_nodes_checkpoint_share_is_its_ranks_weights_and_optimizer_state() -> None:
     """Llama 3.1 8B at TP 32 on 4 x trn1.32xlarge (DP 4, ZeRO-1, bf16-mixed): per rank about 8.0e9 / 32
     parameters at 2 bytes of weights and 16 / 4 of optimizer state: about 1.5 GB, 32 ranks a node."""
     recipe = load_recipe("llama31-8b-cpt")
-    per_node = preflight.checkpoint_bytes_per_node(recipe, HARDWARE["trn1.32xlarge"], 32)
+    per_node = preflight_checks.checkpoint_bytes_per_node(recipe, HARDWARE["trn1.32xlarge"], 32)
     assert per_node is not None and 40e9 < per_node < 56e9
 
 
 def test_a_node_without_a_result_fails_and_the_first_problem_of_each_is_named() -> None:
     results = {"a": {"problems": []}, "b": {"problems": ["15 of 16 Neuron devices", "later"]}}
-    assert preflight.failed_nodes(["a", "b", "c"], results) == {
+    assert preflight_checks.failed_nodes(["a", "b", "c"], results) == {
         "b": "15 of 16 Neuron devices",
         "c": "no result (the node's check did not finish; see the job's log)",
     }
@@ -186,7 +189,8 @@ def test_the_status_note_is_the_failure_else_the_nodes_that_passed(tmp_path: Pat
 
 def test_a_site_may_skip_the_preflight_and_training_then_waits_for_compile(tmp_path: Path) -> None:
     from training.config.site import Site
-    from training.pipeline.runs import dependency_option, plan_run
+    from training.pipeline.plan import plan_run
+    from training.pipeline.submit import dependency_option
 
     recipe = load_recipe("tiny-llama-cpt")
     jobs = {"compile": "11", "preflight": "12"}
@@ -231,40 +235,42 @@ def test_the_peak_is_the_fullest_neuroncore_over_the_canarys_reports() -> None:
         monitor_report({"0": [2 * gib, 6 * gib], "1": [2 * gib, 3 * gib]}),
         monitor_report({"0": [gib]}, error="runtime gone"),  # unreadable memory: skipped, not a smaller figure
     ]
-    assert preflight.peak_core_bytes(lines) == (8 * gib, 2)
-    assert preflight.peak_core_bytes([json.dumps({"neuron_runtime_data": []}), "garbage"]) == (None, 0)
+    assert preflight_checks.peak_core_bytes(lines) == (8 * gib, 2)
+    assert preflight_checks.peak_core_bytes([json.dumps({"neuron_runtime_data": []}), "garbage"]) == (None, 0)
 
 
 def test_memory_above_the_plan_by_more_than_its_headroom_or_above_the_hbm_fails_in_one_line() -> None:
     hardware = HARDWARE["trn1.32xlarge"]
-    assert preflight.MEMORY_TOLERANCE == 0.10  # the headroom submit demands of the plan
-    over = preflight.memory_problem(15.2 * 2**30, 12.1, hardware)
-    assert preflight.failure_line("trn-st-2", over or "") == (
+    assert preflight_checks.MEMORY_TOLERANCE == 0.10  # the headroom submit demands of the plan
+    over = preflight_checks.memory_problem(15.2 * 2**30, 12.1, hardware)
+    assert preflight_checks.failure_line("trn-st-2", over or "") == (
         "preflight: node trn-st-2: the compiled graphs hold 15.2 GiB on a NeuronCore, above the plan's 12.1 GiB "
         "(+10% allowed)"
     )
-    assert preflight.memory_problem(13.3 * 2**30, 12.1, hardware) is None  # within 10 % of the plan
-    assert preflight.memory_problem(9.0 * 2**30, 12.1, hardware) is None  # under the plan
-    assert preflight.memory_problem(16.4 * 2**30, 15.0, hardware) == (
+    assert preflight_checks.memory_problem(13.3 * 2**30, 12.1, hardware) is None  # within 10 % of the plan
+    assert preflight_checks.memory_problem(9.0 * 2**30, 12.1, hardware) is None  # under the plan
+    assert preflight_checks.memory_problem(16.4 * 2**30, 15.0, hardware) == (
         "the compiled graphs hold 16.4 GiB on a NeuronCore, more than its 16 GiB of HBM on trn1.32xlarge"
     )
-    assert preflight.memory_problem(16.4 * 2**30, None, hardware) is not None  # no plan (unknown model): HBM only
-    assert preflight.memory_problem(14.0 * 2**30, None, hardware) is None
+    assert (
+        preflight_checks.memory_problem(16.4 * 2**30, None, hardware) is not None
+    )  # no plan (unknown model): HBM only
+    assert preflight_checks.memory_problem(14.0 * 2**30, None, hardware) is None
     # no report with memory: the graphs ran, which is all that is known; not judged
-    assert preflight.memory_problem(None, 12.1, hardware) is None
+    assert preflight_checks.memory_problem(None, 12.1, hardware) is None
 
 
 def test_a_canary_that_did_not_run_is_one_line_naming_the_nodes_and_the_log() -> None:
     log = "/fsx/runs/r/logs/preflight-12.out"
     passed = {"a": {"status": 0}, "b": {"status": 0}}
-    assert preflight.canary_problem(["a", "b"], passed, 0, log) is None
-    assert preflight.canary_problem(["a", "b"], {"a": {"status": 0}, "b": {"status": 1}}, 1, log) == (
+    assert preflight_checks.canary_problem(["a", "b"], passed, 0, log) is None
+    assert preflight_checks.canary_problem(["a", "b"], {"a": {"status": 0}, "b": {"status": 1}}, 1, log) == (
         f"the compiled graphs did not run: b exited with status 1 (see {log})"
     )
-    assert preflight.canary_problem(["a", "b"], {"a": {"status": 0}}, 137, log) == (
+    assert preflight_checks.canary_problem(["a", "b"], {"a": {"status": 0}}, 137, log) == (
         f"the compiled graphs did not run: b left no result (see {log})"
     )
-    assert preflight.canary_problem(["a"], {"a": {"status": 0}}, 1, log) == (
+    assert preflight_checks.canary_problem(["a"], {"a": {"status": 0}}, 1, log) == (
         f"the compiled graphs did not run: the canary's srun exited with status 1 (see {log})"
     )
 
@@ -315,5 +321,5 @@ def test_an_earlier_preflights_node_file_is_no_result_of_this_job(tmp_path: Path
     (tmp_path / "node2.json").write_text(json.dumps({"node": "node2", "job": "42", "problems": []}))
     results = preflight.this_jobs_results(tmp_path, ["node1", "node2", "node3"], "42")
     assert list(results) == ["node2"]
-    failed = preflight.failed_nodes(["node1", "node2", "node3"], results)
+    failed = preflight_checks.failed_nodes(["node1", "node2", "node3"], results)
     assert sorted(failed) == ["node1", "node3"] and failed["node1"].startswith("no result")

@@ -1,4 +1,4 @@
-"""`python -m training status` for the train stage: the last logged values and the ETA (training.pipeline.runs).
+"""`python -m training status` for the train stage: the last logged values and the ETA (training.pipeline.status).
 No Slurm here: a run record without submissions asks Slurm nothing."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from training.pipeline import runs
-from training.pipeline.runs import eta_seconds, format_duration
+from training.pipeline.status import describe_progress, eta_seconds, print_status, stage_states, training_progress
+from training.pipeline.timeline import format_duration
 
 
 def test_eta_is_the_remaining_steps_at_the_recent_pace() -> None:
@@ -69,7 +69,7 @@ def test_status_shows_the_last_values_of_the_train_stage(tmp_path: Path, capsys:
     ]
     records.append(dict(records[-1], loss=1.5, time=5000.0))  # step 25 logged again after a resume
     run_dir = run_dir_with(tmp_path, records)
-    rows = runs.print_status(run_dir)
+    rows = print_status(run_dir)
     out = capsys.readouterr().out
     (train,) = rows
     assert train["state"] == "UNKNOWN" and train["metrics"]["step"] == 25 and train["metrics"]["loss"] == 1.5
@@ -83,14 +83,14 @@ def test_status_shows_the_last_values_of_the_train_stage(tmp_path: Path, capsys:
 def test_status_of_a_running_train_stage_has_an_eta(tmp_path: Path) -> None:
     """As stage_states computes it from the file, for a job Slurm says is running (the rows' state)."""
     records = [{"step": s, "loss": 2.0, "time": 1000.0 + 3 * s} for s in range(1, 11)]
-    progress = runs.training_progress(run_dir_with(tmp_path, records, steps=30) / "checkpoints" / "metrics.jsonl", 30)
+    progress = training_progress(run_dir_with(tmp_path, records, steps=30) / "checkpoints" / "metrics.jsonl", 30)
     assert progress["eta_seconds"] == pytest.approx(60.0) and progress["seconds_per_step"] == pytest.approx(3.0)
-    assert "; ETA 1m00s (3.00 s/step recently)" in runs.describe_progress(progress)
+    assert "; ETA 1m00s (3.00 s/step recently)" in describe_progress(progress)
     assert progress["step"] == 10 and "validation_loss" not in progress and progress["lr"] is None
 
 
 def test_status_names_a_damaged_metrics_file_instead_of_failing(tmp_path: Path) -> None:
     run_dir = run_dir_with(tmp_path, [])
     (run_dir / "checkpoints" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\ngarbage\n{"step": 2}\n')
-    (train,) = runs.stage_states(run_dir)
+    (train,) = stage_states(run_dir)
     assert "metrics.jsonl line 2: not JSON" in train["note"] and "metrics" not in train

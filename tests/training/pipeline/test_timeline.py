@@ -14,9 +14,13 @@ from typing import Any
 import pytest
 
 from tests.support.repository import ROOT
+from training.config.recipe import load_recipe
 from training.config.site import Site
 from training.monitoring.cluster import stage_data
-from training.pipeline import runs, timeline
+from training.pipeline import timeline
+from training.pipeline.plan import plan_run
+from training.pipeline.scripts import render
+from training.pipeline.status import print_status, watch_lines
 from training.pipeline.timeline import BOOTSTRAP, FIRST_STEP, Attempt, latest_attempts, phases, stage_seconds
 from training.train.watchdog import write_stop
 
@@ -95,9 +99,9 @@ def test_stage_seconds_are_sent_while_the_run_is_active_and_a_while_after() -> N
 def rendered_timeline(tmp_path: Path, marker: str | None) -> list[dict[str, Any]]:
     """The job scripts' own timeline lines (base.sbatch.j2, rendered for a stage), run by bash."""
     site = Site(runs_root=str(tmp_path / "runs"), results=str(tmp_path / "results"), python="/usr/bin/python3")
-    recipe = runs.load_recipe("tiny-llama-cpt")
-    plan = runs.plan_run(recipe, site, "run-1")
-    script = runs.render(plan)["convert-out"]
+    recipe = load_recipe("tiny-llama-cpt")
+    plan = plan_run(recipe, site, "run-1")
+    script = render(plan)["convert-out"]
     lines = script.splitlines()
     begin = lines.index(next(line for line in lines if line.startswith("timeline() {")))
     end = lines.index(next(line for line in lines if line.startswith("timeline start ")))
@@ -161,7 +165,7 @@ def test_status_shows_the_stop_the_late_compilation_the_floor_and_the_time_to_fi
     records += [record(12, late_compilations=1, late_compilation_step=12, throughput_fraction=0.4)]
     run_dir = run_dir_with(tmp_path, records, THROUGHPUT)
     write_stop(run_dir / "checkpoints", "throughput below the floor at step 12: ...", 12)
-    runs.print_status(run_dir)
+    print_status(run_dir)
     printed = capsys.readouterr().out.splitlines()
     assert "train stopped, not requeued: throughput below the floor at step 12: ..." in printed
     late = [line for line in printed if line.startswith("train compiled a graph at step 12: the compile cache missed")]
@@ -180,11 +184,11 @@ def test_status_shows_the_stop_the_late_compilation_the_floor_and_the_time_to_fi
 
 def test_status_before_the_floor_applies_names_the_expectation(tmp_path: Path) -> None:
     run_dir = run_dir_with(tmp_path, [record(1)], {**THROUGHPUT, "window_steps": 5})
-    assert runs.watch_lines(run_dir) == [
+    assert watch_lines(run_dir) == [
         "throughput: expected 10,000 tokens/s per node, compared after 10 steps of warm-up and a window of 5"
     ]
     plain = run_dir_with(tmp_path / "plain", [record(1)], {"expected_tokens_per_second_per_node": None})
-    assert runs.watch_lines(plain) == []
+    assert watch_lines(plain) == []
 
 
 def test_the_monitor_sends_the_newest_runs_stage_seconds(tmp_path: Path) -> None:

@@ -140,7 +140,7 @@ def test_leftovers_of_a_dead_writer_on_this_machine_are_removed(tmp_path: Path) 
 
 def test_a_reused_pid_is_told_apart_by_token_and_start_time(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     final = tmp_path / "out"
-    start = outputs._process_start(sleeper.pid)
+    start = outputs.process_start(sleeper.pid)
     assert start  # running, start time known
     earlier_holder_of_our_pid = leftover(final, "tmp", me(token="0badcafe"))
     earlier_holder_of_its_pid = leftover(final, "tmp", me(pid=sleeper.pid, start=start - 1, token="0badcafe"))
@@ -154,9 +154,9 @@ def test_an_exited_process_not_yet_reaped_is_gone() -> None:
     child = subprocess.Popen(["true"])
     try:
         deadline = time.monotonic() + 10
-        while outputs._process_start(child.pid) is not None and time.monotonic() < deadline:
+        while outputs.process_start(child.pid) is not None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert outputs._process_start(child.pid) is None
+        assert outputs.process_start(child.pid) is None
         assert Path(f"/proc/{child.pid}").exists()  # a zombie: its pid is still taken
     finally:
         child.wait()

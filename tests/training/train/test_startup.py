@@ -18,8 +18,8 @@ import torch
 
 from tests.support.model_equality import assert_same_model, bits, parameter_bytes, read_bytes
 from tests.support.random_values import random_values
-from tests.support.training_runs import world_overrides
 from tests.support.tiny_models import llama, mixtral
+from tests.support.training_runs import world_overrides
 from training.config.model import ModelConfig
 from training.config.recipe import load_recipe
 from training.errors import UserError

@@ -34,7 +34,8 @@ from training.config.site import Site
 from training.config.tracking import TRACKING_VARIABLE, MlflowTracking, Tracking, tracking_environment
 from training.errors import UserError
 from training.pipeline.export import files_to_export
-from training.pipeline.runs import plan_run, render
+from training.pipeline.plan import plan_run
+from training.pipeline.scripts import render
 from training.train.loop import TrainOptions, train
 from training.train.metrics import read_metrics, tensorboard_scalars
 from training.train.optimizer import zero1_where_it_shards
