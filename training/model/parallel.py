@@ -35,19 +35,18 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.config.backends import BACKENDS, Backend
 from training.errors import UserError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-Backend = Literal["cpu", "neuron"]
-BACKENDS: tuple[Backend, ...] = ("cpu", "neuron")
 IGNORE_INDEX = -100  # label of a position that has no target (prompt tokens, block padding)
 
 # Where the neuron backend finds each name (aws-neuron/neuronx-distributed src/neuronx_distributed/..., torch-xla).

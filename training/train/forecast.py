@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from training.config.backends import FACTS
 from training.config.model import ModelSpec
 from training.config.recipe import Recipe
 from training.train.memory import KNOWN_MODELS_DIR, Hardware, model_config
@@ -227,7 +228,7 @@ def forecast_of(
     """The recipe's forecast on `hardware`; None for the CPU backend or a model whose config.json is unknown.
     `usd_per_hour`: the environment's cost while training, `cost_basis` what it includes (default: the nodes'
     list price x nodes)."""
-    if recipe.backend != "neuron":
+    if not FACTS[recipe.backend].on_trainium:
         return None
     config = config or model_config(recipe)
     if config is None:
