@@ -729,7 +729,7 @@ def test_random_generators_resume_exactly(tmp_path: Path) -> None:
     random.seed(3), np.random.seed(3), torch.manual_seed(3)
     random.gauss(0, 1), np.random.normal()  # leaves a cached value in each
     path = tmp_path / "rank_00000.pt"
-    torch.save(checkpointing._rng_state(), path)
+    torch.save(checkpointing.rng_state(), path)
     expected = rng_draws()
     rng_draws()
     checkpointing.restore_rng(path)
