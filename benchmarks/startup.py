@@ -277,7 +277,7 @@ RANK_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
 
 def safety_pass(files: list[Path], rounds: int) -> dict[str, dict[str, float]]:
     """The files checked as before (every file whole) and as now (`data=False`: the pickles)."""
-    from training.train.checkpointing import _load_plain
+    from training.train.checkpointing import load_plain
 
     result = {}
     for mode, data in (("before", True), ("after", False)):
@@ -285,7 +285,7 @@ def safety_pass(files: list[Path], rounds: int) -> dict[str, dict[str, float]]:
         for _ in range(rounds):
             start, before = time.perf_counter(), read_bytes()
             for path in files:
-                _load_plain(path, data=data)
+                load_plain(path, data=data)
             times.append(time.perf_counter() - start)
             read = read_bytes() - before
         result[mode] = {"bytes": read, "seconds": statistics.median(times), "files": len(files)}

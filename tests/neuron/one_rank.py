@@ -20,7 +20,7 @@ def one_rank_neuron_backend() -> Iterator[None]:
     """torchrun's variables for one rank (restored afterwards) and the facade initialized on the neuron backend."""
     from training.config.recipe import OptimizerSection
     from training.model import parallel
-    from training.train.optimizer import neuron_trainer_options
+    from training.train.neuron_training import neuron_trainer_options
 
     ranks = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     with pytest.MonkeyPatch.context() as monkeypatch:

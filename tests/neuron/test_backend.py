@@ -379,7 +379,9 @@ def test_zero1_keeps_each_regimes_dtypes(
     from training.formats.hf import read_config
     from training.model import parallel
     from training.model.transformer import build_model
-    from training.train.optimizer import TrainingOptimizer, neuron_trainer_options
+    from training.train.backend import training_backend
+    from training.train.neuron_training import neuron_trainer_options
+    from training.train.optimizer import TrainingOptimizer
 
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0"}.items():
         monkeypatch.setenv(name, value)
@@ -391,7 +393,14 @@ def test_zero1_keeps_each_regimes_dtypes(
     try:
         config, _ = read_config(worlds["llama"]["hf"], None)
         model = build_model(ModelConfig.from_hf(config), seed=0, dtype=torch.bfloat16)
-        optimizer = TrainingOptimizer(model, settings, ScheduleSection(), 10, precision=precision)  # type: ignore[arg-type]
+        optimizer = TrainingOptimizer(
+            model,
+            settings,
+            ScheduleSection(),
+            10,
+            backend=training_backend("neuron"),
+            precision=precision,  # type: ignore[arg-type]
+        )
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)).to(parallel.device())
         model(ids, ids).loss.backward()
         optimizer.step()

@@ -63,7 +63,8 @@ def test_the_safety_pass_reads_the_pickles_not_the_tensors(xser: bool, tmp_path:
     not the weights and optimizer state again (here 32 MiB, read once by NxD)."""
     from torch_xla.utils.serialization import save as xser_save
 
-    from training.train.checkpointing import _load_plain, _refuse_planted_pickles
+    from training.train.checkpointing import load_plain
+    from training.train.neuron_training import refuse_planted_pickles
 
     step = tmp_path / "step_1"
     generator = torch.Generator().manual_seed(0)
@@ -83,14 +84,14 @@ def test_the_safety_pass_reads_the_pickles_not_the_tensors(xser: bool, tmp_path:
     assert data > 32 * 2**20
 
     before = read_bytes()
-    _refuse_planted_pickles(step)
+    refuse_planted_pickles(step)
     checked = read_bytes() - before
     before = read_bytes()
     for path in files:  # what the safety pass read before: every file whole
         from torch_xla.utils.serialization import TensorReference
 
         with torch.serialization.safe_globals([TensorReference]):
-            _load_plain(path)
+            load_plain(path)
     whole = read_bytes() - before
     assert whole >= data
     assert checked < data / 100, (checked, data)

@@ -19,7 +19,7 @@ from training.config.model import IGNORE_INDEX, ModelConfig
 from training.config.recipe import OptimizerSection
 from training.model import parallel
 from training.model.transformer import Execution, build_model, gather_logits
-from training.train.optimizer import neuron_trainer_options
+from training.train.neuron_training import neuron_trainer_options
 
 
 def run_case(case: dict[str, Any], out: Path) -> None:

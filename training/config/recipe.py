@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from pydantic_core import PydanticCustomError
 
+from training.config.backends import FACTS, Backend, flash_attention_fits
 from training.config.hardware import TRAINIUM1
 from training.config.loading import (
     ONE_LINE,
@@ -44,8 +45,6 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "train" / "recipes"
 SCHEMA_FILE = RECIPES_DIR / "recipe.schema.json"
 Decay = Literal["linear", "cosine", "constant"]
 Precision = Literal["fp32", "bf16-mixed", "bf16-sr"]
-FLASH_ATTENTION_BLOCK = 2048  # neuronx-distributed's NKI flash attention takes sequences in multiples of this
-BackendName = Literal["cpu", "neuron"]
 # As `prepare --seq-len` allows: far beyond any model's context; blocks are Arrow lists with 32-bit sizes.
 MAX_SEQ_LEN = 1 << 20
 # Sequences per optimizer step: far beyond any published LLM batch; keeps the divisor hint below instant.
@@ -369,7 +368,7 @@ class Recipe(StrictModel):
     neuron: NeuronSection = NeuronSection()
     throughput: ThroughputSection = ThroughputSection()
     schedule: ScheduleSection = ScheduleSection()
-    backend: BackendName = "neuron"
+    backend: Backend = "neuron"
     precision: Precision = Field(
         "bf16-mixed",
         description="bf16-mixed: bf16 weights, fp32 master weights and gradient accumulation (ZeRO-1); bf16-sr: "
@@ -468,12 +467,13 @@ def validate(recipe: Recipe) -> list[str]:
                 f"a multiple of parallelism.tp ({recipe.parallelism.tp}) with parallelism.sequence_parallel",
             )
         )
-    if recipe.backend == "neuron" and recipe.memory.flash_attention and recipe.batch.seq_len % FLASH_ATTENTION_BLOCK:
+    block = FACTS[recipe.backend].flash_attention_block
+    if recipe.memory.flash_attention and not flash_attention_fits(recipe.backend, recipe.batch.seq_len):
         problems.append(
             not_allowed(
                 "batch.seq_len",
                 recipe.batch.seq_len,
-                f"a multiple of {FLASH_ATTENTION_BLOCK} with memory.flash_attention on backend neuron "
+                f"a multiple of {block} with memory.flash_attention on backend {recipe.backend} "
                 "(the NKI kernel's tile)",
             )
         )

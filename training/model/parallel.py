@@ -37,20 +37,19 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.config.backends import BACKENDS, Backend
 from training.config.model import IGNORE_INDEX
 from training.errors import UserError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-Backend = Literal["cpu", "neuron"]
-BACKENDS: tuple[Backend, ...] = ("cpu", "neuron")
 
 # Where the neuron backend finds each name (aws-neuron/neuronx-distributed src/neuronx_distributed/..., torch-xla).
 LAYERS = "neuronx_distributed.parallel_layers.layers"

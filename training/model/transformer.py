@@ -18,12 +18,12 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training.config.backends import MoeDispatch, default_moe_dispatch
 from training.config.model import (
     IGNORE_INDEX,
     ActivationCheckpointing,
@@ -37,8 +37,8 @@ from training.config.model import (
 from training.errors import UserError
 from training.formats.layouts import all_rules, hf_shapes
 from training.model import parallel
+from training.model.moe_dispatch import DISPATCHES, Routed
 
-MoeDispatch = Literal["sparse", "dense", "capacity"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -318,14 +318,9 @@ class MoE(nn.Module):
 
     The router is replicated; each rank holds I/tp columns of every expert and the partial outputs are
     summed over TP. The routing weights enter the TP region like activations do, so the router's gradient
-    is complete on every rank. `dispatch`: "sparse" runs each expert on its tokens only (dynamic shapes);
-    "dense" runs every expert on every token with zero weight where not chosen (static shapes for XLA,
-    E/k times the expert FLOPs). Both compute the same function. "capacity" gives each expert a fixed
-    number of slots, C = min(T, ceil(T * k * capacity_factor / E)), filled in token order; a choice beyond
-    its expert's capacity is dropped and the token's remaining weights are renormalised (neuronx-distributed's
-    capacity-factor semantics): static shapes at about capacity_factor times the useful FLOPs. With a
-    capacity that drops nothing it computes the same function as the others. `dropped` holds the number of
-    dropped choices of the last forward.
+    is complete on every rank. `experts.dispatch` names how the experts run (`training.model.moe_dispatch`:
+    sparse, dense or capacity; the same function while nothing is dropped). `dropped` holds the number of
+    choices the capacity dispatch dropped in the last forward.
     """
 
     def __init__(self, config: ModelConfig, tp: int, experts: Experts, execution: Execution) -> None:
@@ -335,6 +330,7 @@ class MoE(nn.Module):
             experts.dispatch,
             experts.capacity_factor,
         )
+        self.run_experts = DISPATCHES[experts.dispatch]
         self.dropped: torch.Tensor | None = None
         self.sequence_parallel = execution.sequence_parallel
         self.router = _Router(config, execution.sequence_parallel)
@@ -364,91 +360,11 @@ class MoE(nn.Module):
             local = parallel.copy_to_tensor_model_parallel_region(tokens)
             weights = parallel.copy_to_tensor_model_parallel_region(top_weights)
         experts = self.expert_mlps.mlp_op
-        gate_up, down = experts.gate_up_proj.weight, experts.down_proj.weight
-        if self.dispatch == "dense":
-            dense = torch.zeros(local.shape[0], gate_up.shape[0], dtype=weights.dtype, device=local.device)
-            dense = dense.scatter(1, top_experts, weights)
-            # batched matmuls over the experts, the tokens broadcast (no copy of them or of the weights is kept)
-            every = local.expand(gate_up.shape[0], *local.shape)
-            outputs = torch.bmm(self.activation(torch.bmm(every, gate_up)), down)  # [E, T, H]
-            partial = (outputs.to(dense.dtype) * dense.t().unsqueeze(-1)).sum(0).to(x.dtype)
-        elif self.dispatch == "capacity":
-            partial = self._capacity_dispatch(local, weights, top_experts, gate_up, down)
-        else:
-            # Token choices grouped by expert with one sort, each expert's rows a contiguous slice.
-            choices = top_experts.reshape(-1)
-            order = torch.argsort(choices, stable=True)
-            counts = torch.bincount(choices, minlength=gate_up.shape[0]).tolist()
-            token = order // self.top_k
-            routed = local[token]
-            expert_outputs: list[torch.Tensor] = []
-            # unbind, not gate_up[e]: its backward stacks once instead of zero-filling a full copy per expert.
-            per_expert = zip(gate_up.unbind(0), down.unbind(0), torch.split(routed, counts), strict=True)
-            for expert_gate_up, expert_down, rows in per_expert:
-                if rows.shape[0]:
-                    expert_outputs.append(self.activation(rows @ expert_gate_up) @ expert_down)
-            chosen = weights.reshape(-1)[order, None]
-            weighted = (torch.cat(expert_outputs) * chosen).to(local.dtype)
-            partial = torch.zeros_like(local).index_add(0, token, weighted)
+        routed = Routed(local, weights, top_experts, experts.gate_up_proj.weight, experts.down_proj.weight)
+        partial, self.dropped = self.run_experts(routed, self.activation, self.capacity_factor)
         if self.sequence_parallel:
             return parallel.reduce_scatter_to_sequence_parallel_region(partial).view(shape), logits
         return parallel.reduce_from_tensor_model_parallel_region(partial).view(shape), logits
-
-    def _capacity_dispatch(
-        self,
-        local: torch.Tensor,
-        weights: torch.Tensor,
-        top_experts: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-    ) -> torch.Tensor:
-        """Each expert's first C chosen tokens (in token order) in slots [E, C]; the rest dropped."""
-        assert self.capacity_factor is not None
-        total, experts = local.shape[0], gate_up.shape[0]
-        capacity = min(total, math.ceil(total * self.top_k * self.capacity_factor / experts))
-        chosen = F.one_hot(top_experts, experts).sum(dim=1)  # [T, E]: 1 where the token chose the expert
-        position = queue_positions(chosen)  # the token's place in its expert's queue
-        kept = (chosen * (position < capacity)).gather(1, top_experts).bool()  # [T, k]
-        self.dropped = (~kept).sum()
-        slot = top_experts * capacity + position.gather(1, top_experts)  # [T, k]: the choice's slot
-        # Which token fills each slot (static shapes: dropped choices go to one extra, discarded slot; slots
-        # never filled read a zero row appended after the tokens).
-        slots = experts * capacity
-        owner = torch.full((slots + 1,), total, dtype=torch.long, device=local.device)
-        tokens = torch.arange(total, device=local.device).unsqueeze(1).expand_as(slot)
-        owner = owner.scatter(0, torch.where(kept, slot, slots).flatten(), tokens.flatten())[:slots]
-        padded = torch.cat([local, local.new_zeros(1, local.shape[1])])
-        inputs = padded[owner].view(experts, capacity, -1)
-        outputs = torch.bmm(self.activation(torch.bmm(inputs, gate_up)), down).view(experts * capacity, -1)
-        kept_weights = weights * kept
-        kept_weights = kept_weights / kept_weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
-        partial = torch.zeros_like(local, dtype=weights.dtype)
-        for choice in range(self.top_k):
-            safe = torch.where(kept[:, choice], slot[:, choice], 0)
-            partial = partial + outputs[safe].to(weights.dtype) * kept_weights[:, choice, None]
-        return partial.to(local.dtype)
-
-
-PREFIX_SUM_BLOCK = 2048  # rows per lower-triangular matmul of `queue_positions` (a 16 MiB fp32 matrix)
-
-
-def queue_positions(chosen: torch.Tensor) -> torch.Tensor:
-    """For a [T, E] 0/1 matrix, each row's count of ones in its column up to and including it, minus one.
-
-    The running sum is a matmul with a lower-triangular matrix of ones, block by block of 2048 rows with the
-    previous blocks' totals carried, not `torch.cumsum`: XLA lowers that to a T-wide reduce-window, which
-    neuronx-cc has failed to compile (aws-neuron-sdk issues 767 and 778), and neuronx-distributed's
-    capacity-factor MoE computes its prefix sums with matmuls too. fp32 counts are exact below 2**24 rows.
-    """
-    counts = chosen.to(torch.float32)
-    carried = counts.new_zeros(1, counts.shape[1])
-    blocks = []
-    for block in torch.split(counts, PREFIX_SUM_BLOCK):
-        lower = torch.ones(block.shape[0], block.shape[0], dtype=torch.float32, device=block.device).tril()
-        running = lower @ block + carried
-        blocks.append(running)
-        carried = running[-1:]
-    return torch.cat(blocks).to(torch.long) - 1
 
 
 def balance_sums(
@@ -717,8 +633,8 @@ def build_model(
         parameter, e.g. a strict `load_state_dict`), nothing is initialised, not even by the layers'
         constructors: the model is built on the meta device as neuronx-distributed's trainer builds one
         (`parallel.init_on_device`), then each parameter gets uninitialised storage (`parallel.materialize`).
-    moe_dispatch: "sparse" (default on CPU) or "dense" (default on Neuron: static shapes), or "capacity"
-        (the default when `capacity_factor` is given: fixed expert capacity, tokens beyond it dropped).
+    moe_dispatch: "sparse", "dense" or "capacity" (`training.model.moe_dispatch`); default: the backend's
+        (`training.config.backends.default_moe_dispatch`: capacity when `capacity_factor` is given).
     router_aux_loss: add Mixtral's load-balancing loss (default: the config's `output_router_logits`).
     execution: sequence parallelism, activation checkpointing, flash attention (see `Execution`).
     """
@@ -736,8 +652,7 @@ def build_model(
             "allowed: pp 1 for this model"
         )
     stage = Stage(parallel.pp_rank(), pp)
-    default: MoeDispatch = "dense" if parallel.backend() == "neuron" else "sparse"
-    experts = Experts(moe_dispatch or ("capacity" if capacity_factor is not None else default), capacity_factor)
+    experts = Experts(moe_dispatch or default_moe_dispatch(parallel.backend(), capacity_factor), capacity_factor)
     aux = model_config.output_router_logits if router_aux_loss is None else router_aux_loss
     building: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if seed is None:  # on the meta device: no layer initialises anything (see `parallel.init_on_device`)

@@ -6,9 +6,10 @@
     <dir>/step_<N>/rng/rank_WWWWW.pt                            every rank's random generators
     <dir>/step_<N>/done                                         written last: the checkpoint is complete
 
-On Neuron, neuronx-distributed's own `save_checkpoint` / `load_checkpoint` write and read the same tree
-(with xser files when asked); the CPU backend writes it here. Pretrained weights are read with the
-converter's readers on both backends, so there is one reader of the layout.
+Each training backend writes and reads its rank files (`TrainingBackend.save_checkpoint`: here for the CPU
+backend, neuronx-distributed's `save_checkpoint` with xser files when asked on Neuron); this module holds what
+they share: the layout, the safe reader every file goes through, the random generators' files, and the reader
+of pretrained weights (the converter's, on every backend, so there is one reader of the layout).
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from training.errors import UserError
-from training.formats.lazy import CheckpointError, shown
-from training.formats.sharded import STEP_DIR, ShardedSource, nxd_rank_file
+from training.formats.lazy import CheckpointError
+from training.formats.sharded import STEP_DIR, ShardedSource
 from training.model import parallel
 from training.model.transformer import CausalLM
-from training.train.optimizer import TrainingOptimizer
 
 DONE = "done"
 
@@ -52,65 +51,11 @@ def latest_complete_step(directory: Path) -> int | None:
     return steps[-1] if steps else None
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and parallel.world_size() > 1:
-        dist.barrier()
-
-
-def _save_atomically(value: Any, path: Path) -> None:
+def save_atomically(value: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
     torch.save(value, partial)
     partial.replace(path)
-
-
-def save_checkpoint(
-    directory: Path,
-    step: int,
-    model: CausalLM,
-    optimizer: TrainingOptimizer,
-    user_content: dict[str, Any],
-    *,
-    keep_last: int,
-    xser: bool,
-) -> Path:
-    """Every rank writes its part; rank 0 writes `done` once all have, then prunes old checkpoints."""
-    target = step_directory(directory, step)
-    if parallel.backend() == "neuron":
-        from neuronx_distributed.trainer import save_checkpoint as nxd_save
-
-        nxd_save(
-            str(directory),
-            tag=target.name,
-            model=model,
-            optimizer=optimizer.inner,
-            scheduler=optimizer.scheduler,
-            user_content=user_content,
-            use_xser=xser,
-            num_kept_ckpts=keep_last,
-            zero1_optimizer=optimizer.settings.zero1,
-        )
-        # NxD saves no random generator state; ours goes beside its files (read back by load_training_state).
-        _save_atomically(_rng_state(), target / "rng" / f"rank_{parallel.world_rank():05d}.pt")
-        return target
-    rank, tp, dp, pp = parallel.world_rank(), parallel.tp_rank(), parallel.dp_rank(), parallel.pp_rank()
-    if rank == 0 and target.exists():
-        shutil.rmtree(target)  # left by a run killed while saving this step: never marked done
-    _barrier()
-    if dp == 0:
-        _save_atomically(model.state_dict(), nxd_rank_file(target, tp, pp))
-    _save_atomically(optimizer.state_dict(), _optimizer_file(target))
-    _save_atomically(_rng_state(), target / "rng" / f"rank_{rank:05d}.pt")
-    if rank == 0:
-        _save_atomically(optimizer.scheduler.state_dict(), target / "scheduler.pt")
-        _save_atomically(user_content, target / "user_content.pt")
-    _barrier()
-    if rank == 0:
-        (target / DONE).write_text("1\n")
-        (directory / "newest").write_text(f"{target.name}\n")
-        prune(directory, keep_last)
-    _barrier()
-    return target
 
 
 def prune(directory: Path, keep_last: int) -> None:
@@ -125,66 +70,9 @@ def prune(directory: Path, keep_last: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def load_weights(directory: Path, step: int, model: CausalLM) -> None:
-    """The model's weights of a checkpoint. Loaded before the optimizer is built, as pretrained weights are:
-    ZeRO-1 derives its fp32 master copy from the parameters when it is built."""
-    target = step_directory(directory, step)
-    if parallel.backend() == "neuron":
-        from neuronx_distributed.trainer import load_checkpoint as nxd_load
-
-        _refuse_planted_pickles(target)
-        nxd_load(str(directory), tag=target.name, model=model, strict=True)
-        return
-    path = nxd_rank_file(target, parallel.tp_rank(), parallel.pp_rank())
-    state = _load_plain(path)
-    expected = model.state_dict()
-    if not isinstance(state, dict) or set(state) != set(expected):
-        names = sorted(set(expected) ^ set(state)) if isinstance(state, dict) else []
-        detail = f" (differs in {', '.join(map(shown, names[:3]))})" if names else ""
-        raise UserError(f"{path}: not this model's state dict{detail}; allowed: a checkpoint of this recipe's model")
-    for name, tensor in expected.items():
-        loaded = state[name]
-        if not isinstance(loaded, torch.Tensor) or loaded.shape != tensor.shape:
-            found = list(loaded.shape) if isinstance(loaded, torch.Tensor) else type(loaded).__name__
-            raise UserError(f"{path}: {name}: {found} is not allowed; allowed: a tensor of shape {list(tensor.shape)}")
-    model.load_state_dict(state)
-
-
-def _optimizer_file(target: Path) -> Path:
+def optimizer_file(target: Path) -> Path:
     dp, tp, pp = parallel.dp_rank(), parallel.tp_rank(), parallel.pp_rank()
     return target / "optim" / f"dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
-
-
-def load_training_state(directory: Path, step: int, optimizer: TrainingOptimizer) -> dict[str, Any]:
-    """Optimizer state, schedule and this rank's random generators of a checkpoint; returns the user content
-    (step, data position)."""
-    target = step_directory(directory, step)
-    if parallel.backend() == "neuron":
-        from neuronx_distributed.trainer import load_checkpoint as nxd_load
-
-        _refuse_planted_pickles(target)
-        content = dict(
-            nxd_load(str(directory), tag=target.name, optimizer=optimizer.inner, scheduler=optimizer.scheduler) or {}
-        )
-    else:
-        # Every file is read and checked before any state is changed.
-        optimizer_state = _load_mapping(_optimizer_file(target), "the optimizer's state dict")
-        scheduler_state = _load_mapping(target / "scheduler.pt", "the schedule's state ({'last_epoch': step})")
-        content = _load_mapping(target / "user_content.pt", "the run's position ({'step': step, ...})")
-        for path, state, key in (
-            (target / "scheduler.pt", scheduler_state, "last_epoch"),
-            (target / "user_content.pt", content, "step"),
-        ):
-            if type(state.get(key)) is not int or state[key] < 0:
-                raise UserError(
-                    f"{path}: {key}: {shown(state.get(key))} is not allowed; allowed: a step number, 0 or more"
-                )
-        optimizer.load_state_dict(optimizer_state)
-        optimizer.scheduler.load_state_dict(scheduler_state)
-    rng_file = target / "rng" / f"rank_{parallel.world_rank():05d}.pt"
-    if rng_file.is_file():
-        restore_rng(rng_file)
-    return content
 
 
 def restore_rng(path: Path) -> None:
@@ -194,35 +82,26 @@ def restore_rng(path: Path) -> None:
     from numpy._core.multiarray import _reconstruct
 
     with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
-        state = _load_plain(path)
+        state = load_plain(path)
     _restore_rng(state, path)
 
 
-def _refuse_planted_pickles(target: Path) -> None:
-    """neuronx-distributed's `load_checkpoint` (and torch-xla's xser loader under it) unpickles with
-    `weights_only=False`. Before it reads this rank's files, each is unpickled here the safe way, which runs
-    no code and refuses any class but tensors, plain data and xser's tensor references: a file planted on
-    shared storage is one line, and never reaches NxD's loader.
-
-    Only the pickles are read here: code can hide in a file's pickle alone (a torch.save file is a zip of the
-    pickle and raw tensor bytes), and the tensors' bytes are memory-mapped, never touched (`_load_plain`'s
-    `data=False`), so the checkpoint's data is read once, by NxD. Reading it all here as well cost a second
-    read of every rank's weights and optimizer state (benchmarks/startup.py measures both)."""
-    from torch_xla.utils.serialization import TensorReference
-
-    rank = f"tp_rank_{parallel.tp_rank():02d}_pp_rank_{parallel.pp_rank():02d}"
-    owned = [f"model/dp_rank_00_{rank}", f"optim/dp_rank_{parallel.dp_rank():02d}_{rank}"]
-    files = [target / "scheduler.pt", target / "user_content.pt"]
-    for prefix in owned:
-        for path in sorted(target.glob(f"{prefix}*")):  # NAME.pt, NAME.pt.info.pt, NAME.pt.tensors/ (xser)
-            files += sorted(path.glob("*.pt")) if path.is_dir() else [path]
-    with torch.serialization.safe_globals([TensorReference]):
-        for path in files:
-            if path.is_file():
-                _load_plain(path, data=False)
+def rng_file(target: Path) -> Path:
+    """This rank's random generators' file in a checkpoint."""
+    return target / "rng" / f"rank_{parallel.world_rank():05d}.pt"
 
 
-def _load_plain(path: Path, *, data: bool = True) -> Any:
+def save_rng(target: Path) -> None:
+    save_atomically(rng_state(), rng_file(target))
+
+
+def restore_rng_of(target: Path) -> None:
+    """This rank's generators from its rng file in a checkpoint, if it has one."""
+    if rng_file(target).is_file():
+        restore_rng(rng_file(target))
+
+
+def load_plain(path: Path, *, data: bool = True) -> Any:
     """torch.load that can never run code from the file: `weights_only` unpickles tensors and plain data
     (numbers, strings, lists, tuples, dicts) and refuses every other global, so a pickle planted on shared
     storage is reported instead of executed. Refusals and damage are one line naming the file.
@@ -244,9 +123,9 @@ def _load_plain(path: Path, *, data: bool = True) -> Any:
         raise UserError(f"{path}: not a readable torch.save file, truncated or corrupt ({reason})") from None
 
 
-def _load_mapping(path: Path, what: str) -> dict[str, Any]:
-    """`_load_plain` of a file that must hold a dict."""
-    value = _load_plain(path)
+def load_mapping(path: Path, what: str) -> dict[str, Any]:
+    """`load_plain` of a file that must hold a dict."""
+    value = load_plain(path)
     if not isinstance(value, dict):
         raise UserError(f"{path}: holds a {type(value).__name__}; allowed: a dict, {what}")
     return value
@@ -287,7 +166,7 @@ def load_pretrained(directory: Path, config_path: Path, model: CausalLM) -> None
             parameter.copy_(loaded.to(parameter.dtype))
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     """Every generator's state as tensors, ints, floats, strings and dicts only, so that `weights_only` loads it
     back: Python's Mersenne Twister words and numpy's key as int64 tensors (numpy arrays would need a pickled
     numpy global), torch's as its ByteTensor."""
@@ -308,7 +187,7 @@ def _rng_state() -> dict[str, Any]:
 
 def _earlier_rng_form(state: Any) -> Any:
     """Earlier versions saved `random.getstate()` and `np.random.get_state()` as they are: the same values in
-    `_rng_state`'s form; any other value is returned unchanged."""
+    `rng_state`'s form; any other value is returned unchanged."""
     if not (
         isinstance(state, dict) and isinstance(state.get("python"), tuple) and isinstance(state.get("numpy"), tuple)
     ):
@@ -329,7 +208,7 @@ def _earlier_rng_form(state: Any) -> Any:
 
 
 def _restore_rng(state: Any, path: Path) -> None:
-    """Sets the generators from `_rng_state`'s form, after checking it is that form (any other is one line)."""
+    """Sets the generators from `rng_state`'s form, after checking it is that form (any other is one line)."""
     try:
         state = _earlier_rng_form(state)
         torch_state, python, numpy_state = state["torch"], state["python"], state["numpy"]

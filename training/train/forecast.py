@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from training.config.backends import FACTS
 from training.config.hardware import Hardware
 from training.config.model import ModelConfig, flops_per_token
 from training.config.recipe import Recipe
@@ -207,7 +208,7 @@ def forecast_of(
     """The recipe's forecast on `hardware`; None for the CPU backend or a model whose config.json is unknown.
     `usd_per_hour`: the environment's cost while training, `cost_basis` what it includes (default: the nodes'
     list price x nodes)."""
-    if recipe.backend != "neuron":
+    if not FACTS[recipe.backend].on_trainium:
         return None
     config = config or model_config(recipe)
     if config is None:

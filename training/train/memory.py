@@ -24,8 +24,9 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from training.config.backends import MoeDispatch, default_moe_dispatch, flash_attention_fits
 from training.config.hardware import DEFAULT_HARDWARE, Hardware
 from training.config.model import (
     ActivationCheckpointing,
@@ -41,7 +42,6 @@ GIB = 1024**3
 RUNTIME_RESERVE_GIB = 2.0
 REQUIRED_HEADROOM = 0.10
 KNOWN_MODELS_DIR = Path(__file__).resolve().parent / "models"
-MoeDispatch = Literal["sparse", "dense", "capacity"]
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ def plan(w: Workload, hardware: Hardware = DEFAULT_HARDWARE) -> MemoryPlan:
 # then more nodes (money). Each is a recipe override, applied cumulatively until the plan fits.
 def _fixes(w: Workload, recipe: Recipe, hardware: Hardware) -> list[tuple[str, dict[str, Any]]]:
     fixes: list[tuple[str, dict[str, Any]]] = []
-    if not w.flash_attention and (recipe.backend != "neuron" or w.seq_len % 2048 == 0):
+    if not w.flash_attention and flash_attention_fits(recipe.backend, w.seq_len):
         fixes.append(("memory.flash_attention=true", {"flash_attention": True}))
     if not w.sequence_parallel and w.tp > 1 and w.seq_len % w.tp == 0:
         fixes.append(("parallelism.sequence_parallel=true", {"sequence_parallel": True}))
@@ -338,9 +338,7 @@ def workload_of(
 
 def moe_dispatch_of(recipe: Recipe) -> MoeDispatch:
     """What the training job runs (`training.model.transformer.build_model`'s default for the recipe)."""
-    if recipe.moe.capacity_factor is not None:
-        return "capacity"
-    return "dense" if recipe.backend == "neuron" else "sparse"
+    return default_moe_dispatch(recipe.backend, recipe.moe.capacity_factor)
 
 
 def gib(value: float) -> float:

@@ -1,9 +1,9 @@
-"""AdamW with the reference job's settings, its learning-rate schedule, gradient clipping and ZeRO-1.
+"""AdamW with the reference job's settings, its learning-rate schedule, and ZeRO-1 where it shards.
 
-On Neuron, neuronx-distributed's optimizer wrapper does the data-parallel reduction, the TP-aware clipping
-and ZeRO-1 (with fp32 master weights, derived from the parameters when the wrapper is built: so the
-pretrained weights are loaded first). On CPU the same steps are done here with torch.distributed, and
-ZeRO-1 shards the optimizer state over the data-parallel ranks with torch's ZeroRedundancyOptimizer.
+The backend-specific part of a step (the data-parallel reduction, the TP-aware clipping, ZeRO-1, the master
+weights) is the training backend's (`training.train.backend.OptimizerCore`): neuronx-distributed's optimizer
+wrapper on Neuron, torch.distributed and torch's ZeroRedundancyOptimizer on CPU. The schedule, the parameter
+groups and the learning rate are the same on every backend, here.
 """
 
 from __future__ import annotations
@@ -11,19 +11,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from training.config.precision import neuron_mixed_precision_config
 from training.config.recipe import OptimizerSection, Precision, Recipe, ScheduleSection
-from training.errors import UserError
-from training.formats.layouts import replicated_targets
-from training.model import parallel
 from training.model.transformer import CausalLM
-from training.train.cpu_precision import MasterWeights, StochasticRoundingAdamW
+
+if TYPE_CHECKING:
+    from training.train.backend import TrainingBackend
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +90,10 @@ class Schedule:
 
 
 class TrainingOptimizer:
-    """One optimizer step from the accumulated gradients: sequence-parallel sums, DP average, clip, update.
+    """One optimizer step from the accumulated gradients: the backend's part (sequence-parallel sums, DP
+    average, clip, update: `TrainingBackend.optimizer`), then the schedule's learning rate for the next.
 
-    `precision` picks the regime (`training.config.precision`): on CPU, bf16-mixed updates fp32 master copies
-    and bf16-sr a stochastically rounding AdamW; on Neuron, NxD's optimizer does either from its configuration.
+    `precision` picks the regime (`training.config.precision`), which each backend's optimizer implements.
     """
 
     def __init__(
@@ -106,40 +103,16 @@ class TrainingOptimizer:
         schedule: ScheduleSection,
         steps: int,
         *,
+        backend: TrainingBackend,
         precision: Precision = "fp32",
         seed: int = 0,
     ) -> None:
         self.model, self.settings = model, settings
         groups = parameter_groups(model, settings.weight_decay)
-        defaults: dict[str, Any] = {"lr": settings.lr, "betas": settings.betas, "eps": settings.eps}
-        self.master: MasterWeights | None = None
-        self.inner: Any
-        if parallel.backend() == "neuron":
-            self.inner = _neuron_optimizer(groups, settings, defaults, precision)
-        else:
-            if precision == "bf16-mixed":
-                self.master = MasterWeights(model.parameters())
-                groups = [{**group, "params": [self.master.of(p) for p in group["params"]]} for group in groups]
-            optimizer_class: Any = torch.optim.AdamW
-            if precision == "bf16-sr":
-                optimizer_class, defaults = StochasticRoundingAdamW, {**defaults, "seed": seed}
-            if settings.zero1 and parallel.dp_size() > 1:
-                from torch.distributed.optim import ZeroRedundancyOptimizer
-
-                self.inner = ZeroRedundancyOptimizer(
-                    groups, optimizer_class=optimizer_class, process_group=parallel.dp_group(), **defaults
-                )
-            else:
-                self.inner = optimizer_class(groups, **defaults)
+        self.core = backend.optimizer(model, groups, settings, precision=precision, seed=seed)
+        self.inner: Any = self.core.inner
+        self.master = self.core.master
         self.scheduler = Schedule(self.inner, lambda step: learning_rate(step, settings.lr, schedule, steps))
-        replicated = replicated_targets(model.spec, model.parallelism, "nxd")
-        names = {name: self._trained(p) for name, p in model.named_parameters()}
-        self._sharded = [p for n, p in names.items() if n not in replicated or parallel.tp_size() == 1]
-        self._replicated = [p for n, p in names.items() if n in replicated and parallel.tp_size() > 1]
-
-    def _trained(self, parameter: nn.Parameter) -> nn.Parameter:
-        """The tensor the optimizer updates for a model parameter (its fp32 master copy under bf16-mixed)."""
-        return self.master.of(parameter) if self.master is not None else parameter
 
     @property
     def lr(self) -> float:
@@ -149,75 +122,18 @@ class TrainingOptimizer:
     def step(self) -> torch.Tensor:
         """Update the parameters; the gradient norm before clipping, as a tensor on the device (reading it on
         Neuron before the step's graph has run would run a graph of its own)."""
-        if parallel.backend() == "neuron":
-            self.inner.step()  # reduces over DP, clips with the TP-aware norm, updates
-            norm = self.inner.grad_norm if self.inner.grad_norm is not None else torch.tensor(float("nan"))
-        else:
-            trained = self._sharded + self._replicated
-            parallel.sum_sequence_parallel_gradients(trained)
-            self._average_over_data_parallel(trained)
-            norm = torch.tensor(self._clip(), dtype=torch.float64)
-            self.inner.step()
-            if self.master is not None:
-                self.master.copy_to_model()
+        norm = self.core.step()
         self.scheduler.step()
         self.inner.zero_grad(set_to_none=True)
         return norm
 
-    def _average_over_data_parallel(self, trained: list[nn.Parameter]) -> None:
-        if parallel.dp_size() == 1:
-            return
-        for parameter in trained:
-            if parameter.grad is not None:
-                dist.all_reduce(parameter.grad, group=parallel.dp_group())
-                parameter.grad /= parallel.dp_size()
-
-    def _clip(self) -> float:
-        """Global L2 norm over the whole model: sharded parameters summed over TP, replicated ones once."""
-
-        def squares(parameters: list[nn.Parameter]) -> torch.Tensor:
-            total = torch.zeros((), dtype=torch.float64)
-            for parameter in parameters:
-                if parameter.grad is not None:
-                    total += parameter.grad.detach().double().pow(2).sum()
-            return total
-
-        sharded = squares(self._sharded)
-        if parallel.tp_size() > 1:
-            dist.all_reduce(sharded, group=parallel.tp_group())
-        stage = sharded + squares(self._replicated)
-        if parallel.pp_size() > 1:  # every stage holds other parameters
-            dist.all_reduce(stage, group=parallel.pp_group())
-        norm = float(stage.sqrt())
-        if self.settings.grad_clip > 0 and norm > self.settings.grad_clip:
-            scale = self.settings.grad_clip / (norm + 1e-6)
-            for parameter in self._sharded + self._replicated:
-                if parameter.grad is not None:
-                    parameter.grad.mul_(scale)
-        return norm
-
-    def _local(self) -> Any:
-        """The optimizer holding this rank's state: the local shard of torch's ZeRO-1 wrapper on CPU."""
-        return getattr(self.inner, "optim", self.inner) if parallel.backend() == "cpu" else self.inner
-
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (its ZeRO-1 shard when sharded), with the fp32 master weights under
-        bf16-mixed (so a resumed run continues from them, not from the rounded bf16 weights)."""
-        state = dict(self._local().state_dict())
-        if self.master is not None:
-            state["master_weights"] = self.master.state_dict()
-        return state
+        """This rank's optimizer state (its ZeRO-1 shard when sharded), with the fp32 master weights where the
+        backend keeps them here (so a resumed run continues from them, not from the rounded bf16 weights)."""
+        return self.core.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        masters = state.pop("master_weights", None)
-        if self.master is not None:
-            if masters is None:
-                raise UserError(
-                    "the checkpoint's optimizer state has no fp32 master weights (saved under another precision)"
-                )
-            self.master.load_state_dict(masters)
-        self._local().load_state_dict(state)
+        self.core.load_state_dict(state)
 
 
 def zero1_where_it_shards(recipe: Recipe, dp: int) -> Recipe:
@@ -232,46 +148,3 @@ def zero1_where_it_shards(recipe: Recipe, dp: int) -> Recipe:
         return recipe
     log.info("optimizer.zero1: off for this run: data parallelism is 1, so there is no optimizer state to shard")
     return recipe.model_copy(update={"optimizer": recipe.optimizer.model_copy(update={"zero1": False})})
-
-
-def neuron_trainer_options(
-    settings: OptimizerSection, *, precision: Precision = "bf16-mixed", sequence_parallel: bool = False
-) -> dict[str, Any]:
-    """neuronx-distributed's trainer configuration for this optimizer (`parallel.initialize(neuron_options=)`).
-
-    `sequence_parallel` makes NxD's optimizer sum the sequence-parallel parameters' gradients over TP first.
-    """
-    return {
-        "sequence_parallel": sequence_parallel,
-        "optimizer_config": {
-            "zero_one_enabled": settings.zero1,
-            "grad_clipping": settings.grad_clip > 0,
-            "max_grad_norm": settings.grad_clip,
-        },
-        "mixed_precision_config": neuron_mixed_precision_config(precision),
-    }
-
-
-def _neuron_optimizer(
-    groups: list[dict[str, Any]], settings: OptimizerSection, defaults: dict[str, Any], precision: Precision
-) -> Any:
-    """neuronx-distributed's optimizer wrapper (ZeRO-1 with fp32 master weights and grad accumulation), built from
-    the process's one trainer configuration."""
-    from neuronx_distributed.trainer import initialize_parallel_optimizer
-
-    from training.model import neuron_backend
-
-    # The learning rate as a device tensor (see Schedule), which AdamW takes in its capturable form: bias
-    # corrections and step counts stay on the device too, nothing is read back during the step.
-    # (NxD's CPU mode keeps the parameters on the host, where AdamW has no capturable form: a float there.)
-    if parallel.device().type != "cpu":
-        learning_rate = torch.tensor([settings.lr], dtype=torch.float32, device=parallel.device())
-        defaults = {**defaults, "lr": learning_rate, "foreach": False, "capturable": True}
-    if settings.zero1:
-        # NxD hands ZeRO-1 `grad_clipping` but never the norm, so torch-xla's default max_norm=1.0 would apply.
-        defaults["max_norm"] = settings.grad_clip
-        if precision == "bf16-sr":
-            # torch-xla's ZeRO-1 keeps its weight shards and AdamW state in fp32 unless told otherwise: bf16-sr
-            # keeps them in bf16 (the runtime rounds stochastically), which is what makes it 8 bytes a parameter.
-            defaults["optimizer_dtype"] = torch.bfloat16
-    return initialize_parallel_optimizer(neuron_backend.trainer_config(), torch.optim.AdamW, groups, **defaults)

@@ -35,6 +35,7 @@ COMPILE_STEPS = 2  # step 1's optimizer graph differs from the steady state of s
 STEP, VALIDATION, CHECKPOINT = "step", "validation", "checkpoint"
 FIRST_USE_PHASES = (VALIDATION, CHECKPOINT)  # graphs a process compiles when it first runs them, at any step
 STOP_FILE = "stopped.json"
+COMPILED = "xla_compilations"  # the metrics record's count of the process's graph compilations (backends that compile)
 
 
 class RunStopped(UserError):

@@ -27,13 +27,8 @@ from training.errors import UserError
 from training.formats.convert import ConvertOptions, convert
 from training.formats.layouts import ModelSpec, Parallelism, all_rules, default_kv_multiplier, hf_shapes
 from training.model import parallel
-from training.model.transformer import (
-    PREFIX_SUM_BLOCK,
-    Execution,
-    build_model,
-    initial_tensor,
-    queue_positions,
-)
+from training.model.moe_dispatch import PREFIX_SUM_BLOCK, queue_positions
+from training.model.transformer import Execution, build_model, initial_tensor
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 

@@ -38,7 +38,7 @@ from training.formats.sharded import nxd_rank_file
 from training.model import parallel
 from training.model.transformer import build_model
 from training.train import checkpointing
-from training.train.checkpointing import load_training_state, load_weights, save_checkpoint
+from training.train.backend import training_backend
 from training.train.optimizer import TrainingOptimizer
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
@@ -677,16 +677,20 @@ def single_process() -> Iterator[None]:
     parallel.destroy()
 
 
+CPU = training_backend("cpu")
+
+
 def trainer(config: dict[str, Any]) -> tuple[Any, TrainingOptimizer]:
     model = build_model(ModelConfig.from_hf(config), seed=0)
-    return model, TrainingOptimizer(model, OptimizerSection(lr=1e-3), ScheduleSection(), 4)
+    return model, TrainingOptimizer(model, OptimizerSection(lr=1e-3), ScheduleSection(), 4, backend=CPU)
 
 
 def resume(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     """What the training loop does on --resume: weights, then the optimizer built on them, then its state."""
     model = build_model(ModelConfig.from_hf(config), seed=1)
-    load_weights(directory, 1, model)
-    return load_training_state(directory, 1, TrainingOptimizer(model, OptimizerSection(lr=1e-3), ScheduleSection(), 4))
+    CPU.load_weights(directory, 1, model)
+    optimizer = TrainingOptimizer(model, OptimizerSection(lr=1e-3), ScheduleSection(), 4, backend=CPU)
+    return CPU.load_training_state(directory, 1, optimizer)
 
 
 CHECKPOINT_FILES = {
@@ -704,7 +708,7 @@ def test_malicious_training_checkpoint_file(kind: str, source: Path, marker: Pat
     config = json.loads((source / "config.json").read_text())
     model, optimizer = trainer(config)
     directory = tmp_path / "checkpoints"
-    save_checkpoint(directory, 1, model, optimizer, {"step": 1, "consumed_samples": 8}, keep_last=2, xser=False)
+    CPU.save_checkpoint(directory, 1, model, optimizer, {"step": 1, "consumed_samples": 8}, keep_last=2, xser=False)
     assert resume(directory, config)["step"] == 1  # intact: resumes
     file = plant(directory / "step_1" / CHECKPOINT_FILES[kind], marker)
     with pytest.raises(UserError) as raised:
@@ -727,7 +731,7 @@ def test_random_generators_resume_exactly(tmp_path: Path) -> None:
     random.seed(3), np.random.seed(3), torch.manual_seed(3)
     random.gauss(0, 1), np.random.normal()  # leaves a cached value in each
     path = tmp_path / "rank_00000.pt"
-    torch.save(checkpointing._rng_state(), path)
+    torch.save(checkpointing.rng_state(), path)
     expected = rng_draws()
     rng_draws()
     checkpointing.restore_rng(path)
@@ -753,7 +757,7 @@ def test_random_generator_file_of_another_form_is_one_line(source: Path, marker:
     config = json.loads((source / "config.json").read_text())
     model, optimizer = trainer(config)
     directory = tmp_path / "checkpoints"
-    save_checkpoint(directory, 1, model, optimizer, {"step": 1}, keep_last=2, xser=False)
+    CPU.save_checkpoint(directory, 1, model, optimizer, {"step": 1}, keep_last=2, xser=False)
     rng = directory / "step_1" / "rng" / "rank_00000.pt"
     torch.save({"torch": torch.get_rng_state()}, rng)
     with pytest.raises(UserError) as raised:
@@ -774,7 +778,7 @@ def test_training_checkpoint_of_another_shape_is_one_line(source: Path, tmp_path
     config = json.loads((source / "config.json").read_text())
     model, optimizer = trainer(config)
     directory = tmp_path / "checkpoints"
-    save_checkpoint(directory, 1, model, optimizer, {"step": 1}, keep_last=2, xser=False)
+    CPU.save_checkpoint(directory, 1, model, optimizer, {"step": 1}, keep_last=2, xser=False)
     file = directory / "step_1" / CHECKPOINT_FILES["model"]
     state = torch.load(file, weights_only=True)
     torch.save({**state, EMBED: torch.zeros(3, 3)}, file)

@@ -17,8 +17,11 @@ from training.config.precision import PARAMETER_DTYPE
 from training.config.recipe import OptimizerSection, Precision, ScheduleSection
 from training.model import parallel
 from training.model.transformer import build_model
+from training.train.backend import training_backend
 from training.train.cpu_precision import StochasticRoundingAdamW, stochastic_round
 from training.train.optimizer import TrainingOptimizer
+
+CPU = training_backend("cpu")
 
 
 @pytest.fixture
@@ -48,7 +51,9 @@ EXPECTED = {
 def test_every_tensor_has_the_regimes_dtype(precision: Precision, tmp_path: Path, single_process: None) -> None:
     config = json.loads((llama(tmp_path / "hf") / "config.json").read_text())
     model = build_model(ModelConfig.from_hf(config), seed=0, dtype=PARAMETER_DTYPE[precision])
-    optimizer = TrainingOptimizer(model, OptimizerSection(lr=1e-2), ScheduleSection(), 10, precision=precision)
+    optimizer = TrainingOptimizer(
+        model, OptimizerSection(lr=1e-2), ScheduleSection(), 10, backend=CPU, precision=precision
+    )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     backward_twice(model)
     parameters, gradients, moments, updated = EXPECTED[precision]
@@ -78,7 +83,9 @@ def test_mixed_accumulates_micro_batch_gradients_in_fp32(tmp_path: Path, single_
         model.zero_grad(set_to_none=True)
         model(ids, ids).loss.backward()
         singles.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    optimizer = TrainingOptimizer(model, OptimizerSection(lr=1e-2), ScheduleSection(), 10, precision="bf16-mixed")
+    optimizer = TrainingOptimizer(
+        model, OptimizerSection(lr=1e-2), ScheduleSection(), 10, backend=CPU, precision="bf16-mixed"
+    )
     model.zero_grad(set_to_none=True)
     for ids in batches:
         model(ids, ids).loss.backward()

@@ -27,7 +27,7 @@ from training.formats.convert import ConvertOptions, convert
 from training.formats.hf import read_config
 from training.model import parallel
 from training.model.transformer import Execution, build_model
-from training.train.checkpointing import _load_plain, load_pretrained
+from training.train.checkpointing import load_plain, load_pretrained
 from training.train.loop import TrainOptions, train
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
@@ -129,21 +129,21 @@ def test_checking_a_pickle_reads_the_pickle_not_the_tensors(tmp_path: Path) -> N
     generator = torch.Generator().manual_seed(0)
     torch.save({f"w{i}": torch.randn(1024, 1024, generator=generator) for i in range(4)}, path)  # 16 MiB
     before = read_bytes()
-    checked = _load_plain(path, data=False)
+    checked = load_plain(path, data=False)
     read = read_bytes() - before
     assert read < path.stat().st_size / 100, read
     assert checked.keys() == {"w0", "w1", "w2", "w3"}
     before = read_bytes()
-    _load_plain(path)
+    load_plain(path)
     assert read_bytes() - before >= path.stat().st_size  # what the pass read before
     marker = tmp_path / "PWNED"
     for legacy in (False, True):
         planted = tmp_path / f"planted-{legacy}.pt"
         torch.save({"state": _Payload(marker)}, planted, _use_new_zipfile_serialization=not legacy)
         with pytest.raises(UserError, match=rf"^{planted}: refused to unpickle posix.system \(it could run code\)"):
-            _load_plain(planted, data=False)
+            load_plain(planted, data=False)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(UserError, match=rf"^{truncated}: not a readable torch.save file, truncated or corrupt"):
-        _load_plain(truncated, data=False)
+        load_plain(truncated, data=False)
     assert not marker.exists()
