@@ -101,6 +101,7 @@ def test_gpu_requests_are_rejected_at_submit(local_slurm: LocalSlurm) -> None:
     assert "Invalid generic resource" in result.stderr
 
 
+@pytest.mark.slurm  # a cluster of its own
 def test_stop_ends_every_daemon_and_running_job(tmp_path: Path) -> None:
     cluster = start(tmp_path / "state", nodes=1)
     again = start(tmp_path / "state", nodes=1)
@@ -122,6 +123,7 @@ def test_stop_ends_every_daemon_and_running_job(tmp_path: Path) -> None:
     cluster.stop()  # idempotent
 
 
+@pytest.mark.slurm  # a cluster of its own
 def test_command_line_up_status_down(tmp_path: Path) -> None:
     """Through a pipe, as make or CI run it: the daemons must not hold the caller's output open."""
     state = tmp_path / "cli"
