@@ -8,6 +8,11 @@ Face. The numerics follow transformers' LlamaForCausalLM / MixtralForCausalLM: R
 top-k router (softmax, top-k, renormalise) with the load-balancing auxiliary loss.
 
 Batches are packed blocks: causal attention over the whole sequence, positions 0..S-1, no padding mask.
+
+One module on purpose, over the 500 lines the project allows otherwise: it is the model a reader holds in their
+head (nanoGPT's model.py), every layer beside the others it feeds, and the builder that puts them on the device.
+What varies by name lives elsewhere: the config's parsing and FLOPs (`training.config.model`), the MoE
+dispatches (`training.model.moe_dispatch`), the parallel layers (`training.model.parallel`).
 """
 
 from __future__ import annotations
