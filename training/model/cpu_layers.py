@@ -277,38 +277,32 @@ class GQAQKVColumnParallelLinear(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """-log softmax(logits)[target] with the vocabulary split over the TP group; targets outside any
-    rank's range (the ignore index) give log-sum-exp, which the facade zeroes.
-
-    The log-sum-exp is one fused pass per slice (the slices' combined with two small all-reduces), and the
-    softmax is recomputed from the logits in backward instead of kept: the bytes kept are the same (one fp32
-    value per logit), and the step runs about a third fewer full passes over the logits than
-    max/subtract/exp/sum/divide (benchmarks/bench_train.py).
-    """
+    rank's range (the ignore index) give log-sum-exp, which the facade zeroes."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        maximum = logits.max(dim=-1).values
+        if tp > 1:
+            dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - maximum.unsqueeze(-1)
         part = logits.shape[-1]
         mine = (target >= rank * part) & (target < (rank + 1) * part)
         local = ((target - rank * part) * mine).unsqueeze(-1)
-        predicted = logits.gather(-1, local).squeeze(-1) * mine.to(logits.dtype)
-        log_total = torch.logsumexp(logits, dim=-1)
+        predicted = shifted.gather(-1, local).squeeze(-1) * mine.to(shifted.dtype)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
         if tp > 1:
-            peak = log_total.clone()
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            total = (log_total - peak).exp()
-            dist.all_reduce(total, group=group)
-            log_total = peak + total.log()
             dist.all_reduce(predicted, group=group)
-        ctx.save_for_backward(logits, log_total, mine, local)
-        return log_total - predicted
+            dist.all_reduce(total, group=group)
+        ctx.save_for_backward(exp / total.unsqueeze(-1), mine, local)
+        return total.log() - predicted
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, log_total, mine, local = ctx.saved_tensors
-        result = (logits - log_total.unsqueeze(-1)).exp_()
-        result.scatter_add_(-1, local, -mine.unsqueeze(-1).to(result.dtype))
-        return result.mul_(grad.unsqueeze(-1)), None, None
+        softmax, mine, local = ctx.saved_tensors
+        result = softmax.scatter_add(-1, local, -mine.unsqueeze(-1).to(softmax.dtype))
+        return result * grad.unsqueeze(-1), None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, /) -> torch.Tensor:
