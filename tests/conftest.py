@@ -35,7 +35,8 @@ SYNTHESIS_FIXTURES = frozenset({"synthesized", "default_env", "smoke_env"})
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that uses the local Slurm (the `local_slurm` fixture, directly or through another fixture, or a
-    cluster of its own, marked `slurm`) is marked `slurm` and put in the local Slurm's xdist group; one that reads a CDK synthesis is marked `slow`."""
+    cluster of its own, marked `slurm`) is marked `slurm` and put in the local Slurm's xdist group; one that
+    reads a CDK synthesis is marked `slow`."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if "local_slurm" in fixtures or item.get_closest_marker("slurm"):  # a test may start its own cluster
