@@ -62,10 +62,12 @@ slurm-down: deps
 slurm-status: deps
 	$(VPY) -m training.local.slurm status
 
-## Lint, type-check the pure parts, then run every test: the main suite on two xdist workers (the local
-## Slurm's tests grouped on one of them, tests/conftest.py), then the neuron tier.
+## Lint, type-check the pure parts, then run every test: the main suite on two xdist workers except the local
+## Slurm's tests, which run after it in one plain pytest process (a second local cluster started inside an xdist
+## worker never ran its job: tests/pipeline/test_local_slurm.py), then the neuron tier.
 test: deps tools lint
-	$(VPY) -m pytest -n 2 --dist loadgroup
+	$(VPY) -m pytest -n 2 -m "not slurm"
+	$(VPY) -m pytest -m slurm
 	$(MAKE) --no-print-directory test-neuron
 
 ## The edit loop's subset: every test not marked `slow` or `slurm` (pyproject.toml), under 2 minutes.

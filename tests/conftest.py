@@ -26,7 +26,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 # The local Slurm's tests all run on one xdist worker: a single local cluster at a time, so the torchrun jobs of
 # two clusters (MASTER_PORT = 31000 + job id % 100, and every cluster numbers its jobs 1, 2, ...) never meet on
-# this host. `--dist loadgroup` (the Makefile's `test`) honours the group; without xdist it is only a mark.
+# this host. `--dist loadgroup` honours the group; the Makefile's `test` runs the `slurm` tests in a plain pytest
+# process after the xdist run, where the group is only a mark.
 SLURM_GROUP = "local-slurm"
 # tests/infra/conftest.py's session fixtures: every environment synthesized with cdk-nag (a minute or more).
 SYNTHESIS_FIXTURES = frozenset({"synthesized", "default_env", "smoke_env"})
