@@ -12,7 +12,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 # Offline: never reach for instance metadata when looking for credentials.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: image-config deps tools synth synth-all demo slurm-up slurm-down slurm-status test test-fast test-neuron lint snapshots schemas lock cost clean
+.PHONY: image-config deps tools synth synth-all demo slurm-up slurm-down slurm-status test test-main test-slurm test-fast test-neuron lint snapshots schemas lock cost clean
 
 deps: $(VENV)/.installed node_modules/.installed
 
@@ -62,13 +62,22 @@ slurm-down: deps
 slurm-status: deps
 	$(VPY) -m training.local.slurm status
 
-## Lint, type-check the pure parts, then run every test: the main suite on two xdist workers except the local
-## Slurm's tests, which run after it in one plain pytest process (a second local cluster started inside an xdist
-## worker never ran its job: tests/pipeline/test_local_slurm.py), then the neuron tier.
-test: deps tools lint
+## Lint, type-check the pure parts and run every test, in two rounds of two jobs each (each job's output
+## printed whole when it ends): lint (mypy: one core) beside the main suite; then the local Slurm's tests beside
+## the neuron tier (whose own tests run in one process, mostly on one core). The local Slurm's tests run in one
+## plain pytest process (a second local cluster started inside an xdist worker never ran its job:
+## tests/pipeline/test_local_slurm.py). docs/how-it-is-checked.md has the measured split.
+test: deps tools
+	$(MAKE) --no-print-directory -j 2 --output-sync=target lint test-main
+	$(MAKE) --no-print-directory -j 2 --output-sync=target test-slurm test-neuron
+
+## The main suite on two xdist workers: every test but the local Slurm's.
+test-main: deps
 	$(VPY) -m pytest -n 2 -m "not slurm"
+
+## The local Slurm's tests (started and stopped by their fixtures; Debian's slurm packages installed when missing).
+test-slurm: deps
 	$(VPY) -m pytest -m slurm
-	$(MAKE) --no-print-directory test-neuron
 
 ## The edit loop's subset: every test not marked `slow` or `slurm` (pyproject.toml), under 2 minutes.
 test-fast: deps

@@ -100,6 +100,8 @@ def mount(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 SOURCE_HASH = "0123abcd"
+# Tests of the training stage skip the evaluate stage (the reference runs and its own tests cover it).
+NO_EVALUATION = "evaluate=null"
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +235,8 @@ def test_training_over_two_nodes_matches_one_node(
 ) -> None:
     """2 nodes x 1 process at TP 2: one TP group across two nodes, the same math as one node."""
     two_nodes = site.model_copy(update={"processes_per_node": 1})
-    run_dir = run(
-        "tiny-llama-cpt", sources["llama"], two_nodes, "llama-2-nodes", "steps=10", "checkpoint.every=5", "nodes=2"
-    )
+    extra = ("steps=10", "checkpoint.every=5", "nodes=2", NO_EVALUATION)
+    run_dir = run("tiny-llama-cpt", sources["llama"], two_nodes, "llama-2-nodes", *extra)
     assert set(states(run_dir).values()) == {"COMPLETED"}, stage_states(run_dir)
     assert "#SBATCH --nodes=2" in (run_dir / "jobs" / "train.sbatch").read_text()
     log = next((run_dir / "logs").glob("train-*.out")).read_text()
@@ -256,7 +257,7 @@ def test_killed_training_job_is_requeued_and_ends_with_identical_weights(
     """Llama at TP 2 on one node; Mixtral in two pipeline stages on two nodes."""
     os.environ[KILL_AT_STEP] = "7"  # sbatch exports the environment: rank 0 SIGKILLs itself after step 7, once
     try:
-        run_dir = run(recipe, sources[name], site, f"{name}-killed", "steps=10", "checkpoint.every=5")
+        run_dir = run(recipe, sources[name], site, f"{name}-killed", "steps=10", "checkpoint.every=5", NO_EVALUATION)
     finally:
         del os.environ[KILL_AT_STEP]
     assert set(states(run_dir).values()) == {"COMPLETED"}, stage_states(run_dir)

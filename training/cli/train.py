@@ -66,12 +66,13 @@ def run_plan(arguments: argparse.Namespace) -> int:
     """Exit status 1 when the recipe does not fit the device."""
     from training.config.recipe import load_recipe
     from training.train.forecast import forecast_of
-    from training.train.memory import report
+    from training.train.memory import model_config, report
 
     recipe = load_recipe(arguments.recipe, arguments.overrides)
     hardware = HARDWARE[arguments.instance_type]
-    data, text = report(recipe, hardware)
-    forecast = forecast_of(recipe, hardware)
+    config = model_config(recipe)  # read once for the plan and the forecast
+    data, text = report(recipe, hardware, config)
+    forecast = forecast_of(recipe, hardware, config=config)
     data["forecast"] = None if forecast is None else forecast.as_dict()
     if forecast is not None:
         text += "\n" + forecast.describe()

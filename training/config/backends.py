@@ -28,13 +28,18 @@ class BackendFacts:
     moe_dispatch: MoeDispatch  # without a capacity factor
     on_trainium: bool  # runs on NeuronCores: device memory to plan, a throughput forecast
     flash_attention_block: int | None = None  # sequences a multiple of this with memory.flash_attention
+    # The flash kernel reads q, k, v as [B, heads, head_dim, S] (the NKI kernel's layout, which NxD's wrapper
+    # passes through untransposed), else as [B, heads, S, head_dim] (torch's kernel: head_dim contiguous).
+    flash_reads_transposed: bool = False
 
 
 # The neuron backend compiles static graphs (so the dense dispatch), and NKI's flash attention kernel takes
 # sequences in tiles of 2048 tokens.
 FACTS: dict[Backend, BackendFacts] = {
     "cpu": BackendFacts(moe_dispatch="sparse", on_trainium=False),
-    "neuron": BackendFacts(moe_dispatch="dense", on_trainium=True, flash_attention_block=2048),
+    "neuron": BackendFacts(
+        moe_dispatch="dense", on_trainium=True, flash_attention_block=2048, flash_reads_transposed=True
+    ),
 }
 
 

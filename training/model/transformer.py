@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.config.backends import MoeDispatch, default_moe_dispatch
+from training.config.backends import FACTS, MoeDispatch, default_moe_dispatch
 from training.config.model import (
     IGNORE_INDEX,
     ActivationCheckpointing,
@@ -147,9 +147,12 @@ class CoreAttention(nn.Module):
         return probabilities @ v
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, scale: float) -> torch.Tensor:
-    """The NKI flash kernel over [B, heads, d, S] inputs (the layout the kernel reads, so NxD's wrapper
-    transposes nothing: `transpose_nki_inputs=True`, its default "for better perf"); returns [B, heads, S, d].
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, scale: float, *, transposed: bool
+) -> torch.Tensor:
+    """The flash kernel over [B, heads, d, S] inputs when `transposed` (the layout the NKI kernel reads, so NxD's
+    wrapper transposes nothing: `transpose_nki_inputs=True`, its default "for better perf"), else over
+    [B, heads, S, d] (the layout torch's CPU kernel reads); returns [B, heads, S, d].
 
     A plain function, never a module, so no activation checkpointing can wrap it: the kernel keeps only q, k,
     v, its output and the log-sum-exp, and its backward kernel recomputes the scores blockwise itself. Running
@@ -158,7 +161,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: in
     """
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     output: torch.Tensor = parallel.nki_flash_attn_func(
-        q, k, v, softmax_scale=scale, causal=True, mixed_precision=True, transpose_nki_inputs=True
+        q, k, v, softmax_scale=scale, causal=True, mixed_precision=True, transpose_nki_inputs=transposed
     )
     return output
 
@@ -199,6 +202,8 @@ class Attention(nn.Module):
         # local query heads come in consecutive groups per KV head
         self.group = self.heads // self.kv_heads
         self.flash, self.sliding_window = execution.flash_attention, config.sliding_window
+        # the kernel's own layout, so no transpose copies q, k and v (training.config.backends)
+        self.flash_transposed = FACTS[parallel.backend()].flash_reads_transposed
         self.core_attention = CoreAttention(spec.head_dim, self.group)
         self.o_proj = parallel.RowParallelLinear(
             spec.num_heads * spec.head_dim,
@@ -220,14 +225,17 @@ class Attention(nn.Module):
                     f"memory.flash_attention: the model's sliding_window {self.sliding_window} is shorter than the "
                     f"sequence ({length}); flash attention is causal over the whole sequence; set it to false"
                 )
+        if self.flash and self.flash_transposed:
             order = (1, 2, 3, 0) if self.sequence_first else (0, 2, 3, 1)  # to [B, heads, d, S]
             q, k, v = (t.view(first, second, -1, self.head_dim).permute(order) for t in (q, k, v))
             q, k = _rotate(q, cos.t(), sin.t(), dim=-2), _rotate(k, cos.t(), sin.t(), dim=-2)
-            context = flash_attention(q, k, v, self.group, self.head_dim**-0.5)
         else:
             order = (1, 2, 0, 3) if self.sequence_first else (0, 2, 1, 3)  # to [B, heads, S, d]
             q, k, v = (t.view(first, second, -1, self.head_dim).permute(order) for t in (q, k, v))
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.flash:
+            context = flash_attention(q, k, v, self.group, self.head_dim**-0.5, transposed=self.flash_transposed)
+        else:
             assert mask is not None
             context = self.core_attention(q, k, v, mask)
         back = (2, 0, 1, 3) if self.sequence_first else (0, 2, 1, 3)

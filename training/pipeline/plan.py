@@ -19,8 +19,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from training import outputs
+from training.config.backends import FACTS
 from training.config.hardware import DEFAULT_HARDWARE, HARDWARE, Hardware
 from training.config.loading import not_allowed
+from training.config.model import ModelConfig
 from training.config.recipe import PrepareSection, Recipe
 from training.config.site import Site
 from training.errors import UserError
@@ -69,6 +71,7 @@ class RunPlan:
     resolved: Recipe  # the run's recipe, paths resolved: what every job reads (the run's recipe.yaml)
     site: Site
     stages: list[Stage] = field(default_factory=list)
+    model: ModelConfig | None = None  # the model's config.json, parsed once (None: not planned, or unknown)
 
 
 def site_hardware(site: Site) -> Hardware | None:
@@ -100,36 +103,42 @@ def check_launch(recipe: Recipe, site: Site) -> None:
     BatchPlan(recipe.batch.global_batch, recipe.batch.micro, world // (tp * pp)).check(processes=world)
 
 
-def check_memory(recipe: Recipe, site: Site) -> None:
+def planned_model(recipe: Recipe) -> ModelConfig | None:
+    """The model's config.json, read once for the run's checks and forecast: only on Trainium (the CPU backend,
+    tests and the local demo, has no device memory or price to plan), None when the model is not known."""
+    return model_config(recipe) if FACTS[recipe.backend].on_trainium else None
+
+
+def check_memory(plan: RunPlan) -> None:
     """Refuse a Neuron recipe that does not fit the NeuronCores' memory, before any job is submitted."""
-    if recipe.backend != "neuron":
-        return  # the CPU backend (tests, the local demo) has no device memory to plan
-    hardware = site_hardware(site) or DEFAULT_HARDWARE
-    config = model_config(recipe)
-    if config is None:
-        print(f"warning: memory not planned: no config.json in model.config {recipe.model.config}", file=sys.stderr)
+    if not FACTS[plan.recipe.backend].on_trainium:
         return
-    problem = refusal(recipe, hardware, config)
+    if plan.model is None:
+        where = plan.recipe.model.config
+        print(f"warning: memory not planned: no config.json in model.config {where}", file=sys.stderr)
+        return
+    problem = refusal(plan.recipe, site_hardware(plan.site) or DEFAULT_HARDWARE, plan.model)
     if problem is not None:
         raise UserError(problem)
 
 
-def site_forecast(recipe: Recipe, site: Site) -> Forecast | None:
+def site_forecast(recipe: Recipe, site: Site, model: ModelConfig | None) -> Forecast | None:
     """The run's forecast at the site's cost while training (its nodes' list price when the site has none);
-    None for the local demo (no instance type), the CPU backend or an unknown model."""
+    None for the local demo (no instance type), the CPU backend or an unknown model (`model` None)."""
     hardware = site_hardware(site)
-    if hardware is None:
+    if hardware is None or model is None:
         return None
     if site.node_usd_per_hour is None:
-        return forecast_of(recipe, hardware)
+        return forecast_of(recipe, hardware, config=model)
     usd = recipe.nodes * site.node_usd_per_hour + (site.environment_usd_per_hour or 0.0)
     basis = "the site's training nodes" + (" and the rest of the environment" if site.environment_usd_per_hour else "")
-    return forecast_of(recipe, hardware, usd, basis)
+    return forecast_of(recipe, hardware, usd, basis, config=model)
 
 
-def check_budget(recipe: Recipe, site: Site) -> None:
+def check_budget(plan: RunPlan) -> None:
     """Refuse, in one line, a run forecast above the site's monthly budget; else print the forecast."""
-    forecast = site_forecast(recipe, site)
+    site = plan.site
+    forecast = site_forecast(plan.recipe, site, plan.model)
     if forecast is None:
         return
     keys = ("site budget_monthly_usd", "the environment's budget.accept_forecast_usd (site budget_accept_forecast_usd)")
@@ -184,8 +193,9 @@ def plan_run(recipe: Recipe, site: Site, run_id: str | None) -> RunPlan:
     skipped |= {"evaluate"} if recipe.evaluate is None else set()
     skipped |= set() if site.preflight else {"preflight"}
     stages = [s for s in STAGES if s.name not in skipped]
-    resolved = resolve_recipe(recipe, site, run_dir, fetches_tokenizer=fetches_tokenizer)
-    return RunPlan(run_id, run_dir, recipe, resolved, site, stages)
+    model = planned_model(recipe)
+    resolved = resolve_recipe(recipe, site, run_dir, model, fetches_tokenizer=fetches_tokenizer)
+    return RunPlan(run_id, run_dir, recipe, resolved, site, stages, model)
 
 
 def new_run_id(recipe: Recipe) -> str:
@@ -204,7 +214,9 @@ def new_run_id(recipe: Recipe) -> str:
     return run_id
 
 
-def resolve_recipe(recipe: Recipe, site: Site, run_dir: Path, *, fetches_tokenizer: bool) -> Recipe:
+def resolve_recipe(
+    recipe: Recipe, site: Site, run_dir: Path, config: ModelConfig | None, *, fetches_tokenizer: bool
+) -> Recipe:
     """The recipe every job of the run reads: local paths absolute, the run's own outputs (data, converted
     weights, checkpoints) in its directory, and the throughput floor's expected figure filled in."""
     data = recipe.data.model_copy(update={"path": str(Path(recipe.data.path).absolute())})
@@ -226,7 +238,7 @@ def resolve_recipe(recipe: Recipe, site: Site, run_dir: Path, *, fetches_tokeniz
     model = recipe.model.model_copy(update={"config": str(Path(recipe.model.config).absolute())})
     if recipe.model.pretrained is not None:
         model = model.model_copy(update={"pretrained": str(run_dir / "pretrained_weight")})
-    expected = expected_tokens_per_node(recipe, site)
+    expected = expected_tokens_per_node(recipe, site, config)
     update: dict[str, object] = {
         "model": model,
         "data": data,
@@ -263,12 +275,12 @@ def check_prepared_kind(recipe: Recipe, data_path: Path) -> None:
         check_data_kind(data_path, found, data_kind=recipe.data.kind, prepare_kind=None)
 
 
-def expected_tokens_per_node(recipe: Recipe, site: Site) -> float | None:
+def expected_tokens_per_node(recipe: Recipe, site: Site, model: ModelConfig | None) -> float | None:
     """The throughput floor's expected figure: the recipe's, else the run's forecast on the site's instance type
     (None for the local demo, the CPU backend or a model without a known config.json: no floor)."""
     if recipe.throughput.expected_tokens_per_second_per_node is not None:
         return recipe.throughput.expected_tokens_per_second_per_node
-    forecast = site_forecast(recipe, site)
+    forecast = site_forecast(recipe, site, model)
     return None if forecast is None else round(forecast.throughput.expected * recipe.batch.seq_len, 1)
 
 

@@ -63,11 +63,12 @@ from typing import Any
 
 from training import outputs
 from training.config.hardware import DEFAULT_HARDWARE, Hardware
+from training.config.model import ModelConfig
 from training.config.recipe import Recipe, load_recipe
 from training.config.site import Site
 from training.errors import UserError
 from training.monitoring import neuron as neuron_monitor
-from training.pipeline.plan import processes_per_node, site_forecast, site_hardware
+from training.pipeline.plan import planned_model, processes_per_node, site_forecast, site_hardware
 from training.pipeline.preflight_checks import (
     CHECKPOINT_WRITE_FRACTION,
     MEMORY_TOLERANCE,
@@ -116,6 +117,7 @@ class Context:
     site: Site
     recipe: Recipe
     hardware: Hardware | None  # None: not a Neuron site, the Neuron checks do not apply
+    model: ModelConfig | None  # the model's config.json, parsed once (None: unknown)
     processes_per_node: int
     step_seconds: float | None
 
@@ -125,12 +127,14 @@ def load_context(run_dir: Path) -> Context:
     site = Site(**run["site"])
     recipe = load_recipe(str(run_dir / "recipe.yaml"))
     hardware = (site_hardware(site) or DEFAULT_HARDWARE) if site.neuron else None
-    forecast = site_forecast(recipe, site)
+    model = planned_model(recipe)
+    forecast = site_forecast(recipe, site, model)
     return Context(
         run_dir,
         site,
         recipe,
         hardware,
+        model,
         processes_per_node(recipe, site),
         forecast.step_seconds if forecast is not None else None,
     )
@@ -222,7 +226,9 @@ def check_node(context: Context) -> dict[str, Any]:
                 problem = bandwidth_problem(measured, floor, "all-reduce within the node", hardware)
                 if problem:
                     problems.append(problem)
-    node_bytes = checkpoint_bytes_per_node(context.recipe, hardware or DEFAULT_HARDWARE, context.processes_per_node)
+    node_bytes = checkpoint_bytes_per_node(
+        context.recipe, context.model, hardware or DEFAULT_HARDWARE, context.processes_per_node
+    )
     sample = min(node_bytes or WRITE_SAMPLE_MAX_BYTES, WRITE_SAMPLE_MAX_BYTES)
     speed = measure_write(context.run_dir / NODES_DIR, max(sample, 2**20))
     interval = checkpoint_interval(context.recipe.checkpoint.every, context.step_seconds)
@@ -302,7 +308,7 @@ def run_canary(context: Context, nodes: list[str], command: list[str]) -> dict[s
     shutil.rmtree(directory, ignore_errors=True)  # an earlier preflight's results are not this one's
     (context.run_dir / NODES_DIR / CANARY_METRICS).unlink(missing_ok=True)  # the JSON lines would be appended to
     hardware = context.hardware or DEFAULT_HARDWARE
-    planned = planned_gib_per_core(context.recipe, hardware)
+    planned = planned_gib_per_core(context.recipe, hardware, context.model)
     print("$ " + shlex.join(command), file=sys.stderr, flush=True)
     start = time.monotonic()
     status = subprocess.run(command, check=False).returncode

@@ -24,13 +24,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from training.config.hardware import Hardware
+from training.config.model import ModelConfig
 from training.config.recipe import Recipe
 from training.errors import UserError
 from training.monitoring import neuron as neuron_monitor
 from training.train.memory import (
     GIB,
     REQUIRED_HEADROOM,
-    model_config,
     parameters_per_core,
     state_bytes_per_parameter,
     workload_of,
@@ -84,10 +84,11 @@ def bandwidth_problem(measured: float, floor: float, what: str, hardware: Hardwa
     return f"{what} bus bandwidth {measured:.1f} GB/s below the floor {floor:.1f} GB/s of {hardware.name}"
 
 
-def checkpoint_bytes_per_node(recipe: Recipe, hardware: Hardware, processes_per_node: int) -> int | None:
+def checkpoint_bytes_per_node(
+    recipe: Recipe, config: ModelConfig | None, hardware: Hardware, processes_per_node: int
+) -> int | None:
     """What one node writes for a checkpoint: each of its ranks' weights and optimizer state (the planner's
-    per-core counts; gradients are not saved). None when the model's config is unknown."""
-    config = model_config(recipe)
+    per-core counts; gradients are not saved). None when the model's config is unknown (`config` None)."""
     if config is None:
         return None
     workload = workload_of(recipe, config, hardware, processes_per_node)

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from training import outputs
+from training.config.loading import build
+from training.config.recipe import Recipe
 from training.config.site import Site
 from training.errors import UserError
 
@@ -21,6 +23,12 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{run_dir}: no run.json (not a run submitted by `python -m training submit`)")
     return dict(json.loads(path.read_text()))
+
+
+def run_recipe(run: dict[str, Any], run_dir: Path) -> Recipe:
+    """The run's resolved recipe as `submit` recorded it (`settings`), read back typed: a record that no longer
+    parses (edited by hand, or written by another version) is named by its file, one line a problem."""
+    return build(Recipe, run.get("settings") or {}, f"{run_dir / RUN_FILE} settings")
 
 
 def write_run(run_dir: Path, run: dict[str, Any]) -> None:

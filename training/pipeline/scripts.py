@@ -177,7 +177,7 @@ def stage_time_minutes(stage: Stage, plan: RunPlan) -> int:
     limit = plan.site.time_minutes
     if stage.name != "preflight":
         return limit
-    forecast = site_forecast(plan.recipe, plan.site) if plan.recipe.backend == "neuron" else None
+    forecast = site_forecast(plan.recipe, plan.site, plan.model)
     two_steps = 0.0 if forecast is None else 2 * forecast.step_seconds / 60
     bounded = max(PREFLIGHT_MIN_MINUTES, math.ceil(PREFLIGHT_LOAD_MINUTES + 3 * two_steps))
     return min(limit, bounded) if limit else bounded

@@ -12,7 +12,7 @@ from typing import Any
 
 from training.errors import UserError
 from training.pipeline import timeline
-from training.pipeline.run_record import latest_jobs, read_run, run_slurm_bin
+from training.pipeline.run_record import latest_jobs, read_run, run_recipe, run_slurm_bin
 from training.pipeline.slurm_client import ACTIVE_STATES, job_info, run_slurm
 from training.pipeline.timeline import format_duration
 from training.train.metrics import METRICS_FILE, read_metrics
@@ -34,7 +34,7 @@ def stage_states(run_dir: Path) -> list[dict[str, Any]]:
             row["reason"] = info["Reason"]
         if stage == "train" and (run_dir / "checkpoints" / METRICS_FILE).is_file():
             try:
-                total_steps = (run.get("settings") or {}).get("steps")
+                total_steps = run_recipe(run, run_dir).steps
                 progress = training_progress(run_dir / "checkpoints" / METRICS_FILE, total_steps)
             except UserError as error:
                 row["note"] = str(error)
@@ -154,7 +154,7 @@ def train_records(run_dir: Path) -> list[dict[str, Any]]:
 def watch_lines(run_dir: Path) -> list[str]:
     """What the training job found in itself (training.train.watchdog): its stop, a late compilation, its
     throughput against the expected figure."""
-    settings = read_run(run_dir).get("settings") or {}
+    throughput = run_recipe(read_run(run_dir), run_dir).throughput
     stop = read_stop(run_dir / "checkpoints")
     lines = [f"train stopped, not requeued: {stop['reason']}"] if stop else []
     records = train_records(run_dir)
@@ -164,17 +164,16 @@ def watch_lines(run_dir: Path) -> list[str]:
         lines.append(
             late_compile_line(int(last.get("late_compilation_step", last["step"])), int(last["late_compilations"]))
         )
-    throughput = settings.get("throughput") or {}
-    expected = throughput.get("expected_tokens_per_second_per_node")
+    expected = throughput.expected_tokens_per_second_per_node
     measured = [r for r in records if r.get("throughput_fraction") is not None]
     if expected and measured:
         fraction = float(measured[-1]["throughput_fraction"])
-        line = floor_line(fraction * float(expected), float(expected), fraction, float(throughput["floor_fraction"]))
+        line = floor_line(fraction * expected, expected, fraction, throughput.floor_fraction)
         lines.append(f"throughput at step {measured[-1]['step']}: {line}")
     elif expected and records:
         lines.append(
-            f"throughput: expected {float(expected):,.0f} tokens/s per node, compared after "
-            f"{throughput.get('warmup_steps')} steps of warm-up and a window of {throughput.get('window_steps')}"
+            f"throughput: expected {expected:,.0f} tokens/s per node, compared after "
+            f"{throughput.warmup_steps} steps of warm-up and a window of {throughput.window_steps}"
         )
     return lines
 

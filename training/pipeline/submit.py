@@ -31,9 +31,9 @@ from training.pipeline.status import stage_states
 def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: Site, dry_run: bool) -> dict[str, Any]:
     recipe = load_recipe(recipe_file, overrides)
     check_launch(recipe, site)
-    check_memory(recipe, site)
-    check_budget(recipe, site)
     plan = plan_run(recipe, site, run_id)
+    check_memory(plan)
+    check_budget(plan)
     scripts = render(plan)
     if dry_run:
         for stage in plan.stages:

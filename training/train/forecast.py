@@ -15,6 +15,7 @@ than Llama's dense layers lose, which puts a real run nearer the band's low end 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,7 @@ def expected_throughput(
     return Throughput(at(PUBLISHED_SEQ_PER_NODE), at(low), at(high), source)
 
 
+@functools.cache
 def _published_config() -> ModelConfig:
     return read_model_config(KNOWN_MODELS_DIR / f"{PUBLISHED_MODEL}.json")
 

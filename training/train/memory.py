@@ -364,9 +364,10 @@ def refusal(recipe: Recipe, hardware: Hardware, config: ModelConfig | None = Non
     )
 
 
-def planned_gib_per_core(recipe: Recipe, hardware: Hardware) -> float | None:
-    """What the plan puts on each NeuronCore, in GiB; None when the model's config is not known."""
-    config = model_config(recipe)
+def planned_gib_per_core(recipe: Recipe, hardware: Hardware, config: ModelConfig | None = None) -> float | None:
+    """What the plan puts on each NeuronCore, in GiB; None when the model's config is not known. `config`: the
+    model's config when the caller has read it already (default: `model_config`)."""
+    config = config or model_config(recipe)
     if config is None:
         return None
     return gib(plan(workload_of(recipe, config, hardware), hardware).total)
@@ -382,9 +383,10 @@ def describe_fix(fix: Fix) -> str:
     return f"cheapest fix: {' '.join(fix.overrides)} ({gib(fix.plan.total)} GiB, {fix.plan.headroom:.0%} headroom)"
 
 
-def report(recipe: Recipe, hardware: Hardware) -> tuple[dict[str, Any], str]:
-    """The plan as --json gives it and as text; raises UserError when the model's config is not known."""
-    config = model_config(recipe)
+def report(recipe: Recipe, hardware: Hardware, config: ModelConfig | None = None) -> tuple[dict[str, Any], str]:
+    """The plan as --json gives it and as text; raises UserError when the model's config is not known.
+    `config`: the model's config when the caller has read it already (default: `model_config`)."""
+    config = config or model_config(recipe)
     if config is None:
         raise UserError(
             f"model.config {recipe.model.config}: no config.json there and not a bundled model "

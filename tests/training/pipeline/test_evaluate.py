@@ -20,6 +20,7 @@ import pytest
 import torch
 import yaml
 
+from tests.support.run_records import write_run_record
 from training.config.recipe import EvaluateSection, load_recipe
 from training.errors import UserError
 from training.local.tiny import tiny_model
@@ -236,9 +237,7 @@ def test_status_shows_the_gate_of_the_evaluate_stage(tmp_path: Path, capsys: pyt
     from training.pipeline.status import print_status, stage_states
 
     run_dir = tmp_path / "run-1"
-    run_dir.mkdir()
-    record = {"run_id": "run-1", "settings": {}, "stages": ["evaluate"], "submissions": [], "site": {}}
-    (run_dir / "run.json").write_text(json.dumps(record))
+    write_run_record(run_dir, ["evaluate"])
     failure = "tiny_choice: acc 100.00 points worse than the base (100.00 -> 0.00) on 12 documents (limit), more"
     report = {
         "tasks": {"tiny_choice": {"metric": "acc", "trained": 0.0, "base": 1.0, "delta_points": -100.0, "limit": 12}},

@@ -15,6 +15,7 @@ from training.errors import UserError
 from training.pipeline import preflight, preflight_checks
 from training.pipeline.plan import STAGES, Stage
 from training.pipeline.submit import stages_to_submit
+from training.train.memory import model_config
 
 STANDIN = Path(__file__).resolve().parents[3] / "tests" / "support" / "neuron_tools" / "nccom-test"
 
@@ -117,7 +118,8 @@ def test_a_nodes_checkpoint_share_is_its_ranks_weights_and_optimizer_state() -> 
     """Llama 3.1 8B at TP 32 on 4 x trn1.32xlarge (DP 4, ZeRO-1, bf16-mixed): per rank about 8.0e9 / 32
     parameters at 2 bytes of weights and 16 / 4 of optimizer state: about 1.5 GB, 32 ranks a node."""
     recipe = load_recipe("llama31-8b-cpt")
-    per_node = preflight_checks.checkpoint_bytes_per_node(recipe, HARDWARE["trn1.32xlarge"], 32)
+    config = model_config(recipe)
+    per_node = preflight_checks.checkpoint_bytes_per_node(recipe, config, HARDWARE["trn1.32xlarge"], 32)
     assert per_node is not None and 40e9 < per_node < 56e9
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.run_records import write_run_record
 from training.pipeline.status import describe_progress, eta_seconds, print_status, stage_states, training_progress
 from training.pipeline.timeline import format_duration
 
@@ -55,8 +56,7 @@ def run_dir_with(tmp_path: Path, records: list[dict[str, Any]], steps: int = 100
     run_dir = tmp_path / "run-1"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "checkpoints" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    run = {"run_id": "run-1", "settings": {"steps": steps}, "stages": ["train"], "submissions": [], "site": {}}
-    (run_dir / "run.json").write_text(json.dumps(run))
+    write_run_record(run_dir, ["train"], [f"steps={steps}"])
     return run_dir
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.support.repository import ROOT
+from tests.support.run_records import write_run_record
 from training.config.recipe import load_recipe
 from training.config.site import Site
 from training.monitoring.cluster import stage_data
@@ -144,9 +145,9 @@ def run_dir_with(tmp_path: Path, records: list[dict[str, Any]], throughput: dict
     run_dir = tmp_path / "run-1"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "checkpoints" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    settings = {"steps": 100, "throughput": throughput}
-    run = {"run_id": "run-1", "settings": settings, "stages": STAGES, "submissions": [], "site": {}}
-    (run_dir / "run.json").write_text(json.dumps(run))
+    write_run_record(
+        run_dir, STAGES, ["steps=100", *(f"throughput.{key}={value}" for key, value in throughput.items())]
+    )
     (run_dir / timeline.TIMELINE_FILE).write_text("".join(json.dumps(e) + "\n" for e in EVENTS) + "{cut")
     return run_dir
 
@@ -187,7 +188,7 @@ def test_status_before_the_floor_applies_names_the_expectation(tmp_path: Path) -
     assert watch_lines(run_dir) == [
         "throughput: expected 10,000 tokens/s per node, compared after 10 steps of warm-up and a window of 5"
     ]
-    plain = run_dir_with(tmp_path / "plain", [record(1)], {"expected_tokens_per_second_per_node": None})
+    plain = run_dir_with(tmp_path / "plain", [record(1)], {})  # no expected figure (the CPU backend): no floor
     assert watch_lines(plain) == []
 
 
