@@ -12,7 +12,7 @@ export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 # Offline: never reach for instance metadata when looking for credentials.
 export AWS_EC2_METADATA_DISABLED := true
 
-.PHONY: image-config deps tools synth synth-all demo slurm-up slurm-down slurm-status test test-main test-slurm test-fast test-neuron lint snapshots schemas lock cost clean
+.PHONY: image-config deps tools synth synth-all demo slurm-up slurm-down slurm-status bytecode test test-main test-slurm test-fast test-neuron lint snapshots schemas lock cost clean
 
 deps: $(VENV)/.installed node_modules/.installed
 
@@ -67,9 +67,14 @@ slurm-status: deps
 ## the neuron tier (whose own tests run in one process, mostly on one core). The local Slurm's tests run in one
 ## plain pytest process (a second local cluster started inside an xdist worker never ran its job:
 ## tests/pipeline/test_local_slurm.py). docs/how-it-is-checked.md has the measured split.
-test: deps tools
+test: deps tools bytecode
 	$(MAKE) --no-print-directory -j 2 --output-sync=target lint test-main
 	$(MAKE) --no-print-directory -j 2 --output-sync=target test-slurm test-neuron
+
+## The project's bytecode, compiled once: the tests start hundreds of Python processes (pipeline stages,
+## torchrun ranks, CLI runs), and where PYTHONDONTWRITEBYTECODE is set each would compile every module again.
+bytecode: deps
+	$(VPY) -m compileall -q -j 2 training stacks tests benchmarks app.py
 
 ## The main suite on two xdist workers: every test but the local Slurm's.
 test-main: deps

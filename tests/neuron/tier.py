@@ -9,16 +9,16 @@ replaced by `tests/neuron/standins`.
 
 Which training tests are rerun (VERSIONED): the lock and the main environment differ in torch (2.9.1 / 2.13),
 transformers (4.57 / 5.23), tokenizers, datasets, numpy, pyarrow and protobuf, and pin pydantic, PyYAML, Jinja2,
-boto3, safetensors, matplotlib, lm-eval, mlflow, wandb and tensorboard alike. So the folders whose code runs on
-the cluster over torch, transformers, tokenizers or datasets are rerun whole: the formats (torch pickles,
-transformers checkpoints), the model (transformers as the reference, autograd), the data preparation
-(tokenizers, datasets, pyarrow), the refusal of planted pickles (torch's unpickler) and the evaluation (lm-eval
-over transformers). Of the training job only the tests not marked `slow` are rerun (the optimizer, checkpoints,
-the loader, batches, precision): the slow ones train the CPU backend with torchrun over gloo, which the cluster
-never runs (it trains on the neuron backend, and this tier's own tests train that one under the lock's
-versions). The configuration, monitoring, Slurm pipeline rendering, CLI, logging and bad-input suites test our
-code over libraries pinned alike: the main suite's run is their verdict. The reruns use two xdist workers (their
-tests use no local Slurm); the tier's own tests run in one process (one XLA runtime).
+boto3, safetensors, matplotlib, lm-eval, mlflow, wandb and tensorboard alike. So the folders whose code runs on the
+cluster over torch, transformers, tokenizers or datasets are rerun whole: the formats (torch pickles, transformers
+checkpoints), the model (transformers as the reference, autograd), the data preparation (tokenizers, datasets,
+pyarrow), the refusal of planted pickles (torch's unpickler) and the evaluation (lm-eval over transformers). Of the
+training job only the tests not marked `slow` are rerun (the loader, the precision regimes): the slow ones run the
+training job with torchrun on the CPU backend, which the cluster never runs (it trains on the neuron backend, and
+this tier's own tests train that one, and the CPU backend beside it as their reference, under the lock's versions).
+The configuration, monitoring, Slurm pipeline rendering, CLI, logging and bad-input suites test our code over
+libraries pinned alike: the main suite's run is their verdict. The reruns use two xdist workers (their tests use no
+local Slurm); the tier's own tests run in one process (one XLA runtime).
 """
 
 from __future__ import annotations
