@@ -15,6 +15,8 @@ from typing import Any
 import yaml
 
 from training import outputs, software
+from training.config.recipe import Recipe, load_recipe
+from training.errors import UserError
 from training.pipeline.hub import FETCH_MANIFEST  # written into the base model directory by the fetch stage
 
 log = logging.getLogger(__name__)
@@ -123,14 +125,13 @@ def read_inputs(run_dir: Path, *, plot: bool) -> CardInputs:
     run = _json_object(run_dir / "run.json")
     run = run if isinstance(run, dict) else {}
     recipe_yaml = _text(run_dir / "recipe.yaml")
-    settings = _yaml_mapping(recipe_yaml)
-    model_config = _setting(settings, "model", "config")
-    data_path = _setting(settings, "data", "path")  # the run's data/ when its prepare stage made it
+    recipe = _recipe(run_dir / "recipe.yaml") if recipe_yaml else None
+    data_path = recipe.data.path if recipe else None  # the run's data/ when its prepare stage made it
     overrides = run.get("overrides")
     return CardInputs(
         run_id=str(run.get("run_id") or run_dir.name),
-        recipe_name=_str(run.get("recipe")) or _str(settings.get("name")),
-        base=read_base_model(Path(model_config) if isinstance(model_config, str) else None),
+        recipe_name=_str(run.get("recipe")) or (recipe.name if recipe else None),
+        base=read_base_model(Path(recipe.model.config) if recipe else None),
         recipe_yaml=recipe_yaml,
         overrides=tuple(str(o) for o in overrides) if isinstance(overrides, list) else (),
         data=_parsed((Path(data_path) if data_path else run_dir / "data") / outputs.MANIFEST, data_from_manifest),
@@ -304,9 +305,13 @@ def _yaml_mapping(text: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _setting(settings: dict[str, Any], section: str, key: str) -> str | None:
-    values = settings.get(section)
-    return _str(values.get(key)) if isinstance(values, dict) else None
+def _recipe(path: Path) -> Recipe | None:
+    """The run's recipe, typed; a card is still written (naming less) when it no longer loads."""
+    try:
+        return load_recipe(str(path))
+    except UserError as error:
+        log.warning(f"model card: {path} does not load ({error}); the card names no recipe or base model")
+        return None
 
 
 def _dict(value: Any) -> dict[str, Any]:

@@ -34,11 +34,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
-
 from training import outputs
 from training.config.loading import not_allowed
-from training.config.recipe import HUB_REPO_ALLOWED, HUB_REPO_PATTERN, HubSource
+from training.config.recipe import HUB_REPO_ALLOWED, HUB_REPO_PATTERN, HubSource, load_recipe
 from training.errors import UserError
 from training.secrets import read_secret
 
@@ -373,8 +371,7 @@ def _recipe_evaluates(run_dir: Path) -> bool:
     recipe = run_dir / "recipe.yaml"
     if not recipe.is_file():
         return False
-    settings = yaml.safe_load(recipe.read_text())
-    return isinstance(settings, dict) and settings.get("evaluate") is not None
+    return load_recipe(str(recipe)).evaluate is not None
 
 
 def push_model(

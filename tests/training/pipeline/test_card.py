@@ -295,3 +295,14 @@ def test_the_pins_come_from_the_environment_marker_else_from_the_shipped_source(
     assert shipped is not None and shipped.neuron_release == pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
     assert shipped.lock_sha256 == hashlib.sha256(CLUSTER_LOCK.read_bytes()).hexdigest()
     assert running_pins(tmp_path / "no-marker", root=tmp_path / "installed-without-source") is None
+
+
+def test_a_recipe_that_no_longer_loads_is_named_once_and_the_card_still_written(
+    run_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (run_dir / "recipe.yaml").write_text("name: edited-by-hand\nsteps: many\n")
+    with caplog.at_level(logging.WARNING, logger="training"):
+        inputs = card_inputs.read_inputs(run_dir, plot=False)
+    assert inputs.base.name == "not recorded" and inputs.recipe_yaml == "name: edited-by-hand\nsteps: many\n"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.startswith(f"model card: {run_dir / 'recipe.yaml'} does not load (") and "steps" in warning

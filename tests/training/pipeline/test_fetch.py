@@ -19,7 +19,7 @@ from moto import mock_aws
 
 from tests.support.hub_standin import HubStandin, point_client_at, running_hub
 from training.cli import main
-from training.config.recipe import HubSource, load_recipe
+from training.config.recipe import HubSource, load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.errors import UserError
 from training.local.tiny import tiny_model, train_tokenizer
@@ -387,7 +387,9 @@ def test_push_refuses_a_failed_gate_unless_told(run_dir: Path, hub: HubStandin) 
 
 def test_push_refuses_a_run_whose_evaluate_stage_did_not_finish(run_dir: Path, hub: HubStandin) -> None:
     """A recipe with an evaluate stage and no report: the stage failed or never ran, so there is no verdict."""
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump({"evaluate": {"tasks": [{"name": "tiny_choice"}]}}))
+    recipe = load_recipe("tiny-llama-cpt")  # a recipe with an evaluate stage, as the run recorded it
+    assert recipe.evaluate is not None
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_as_dict(recipe)))
     with pytest.raises(UserError, match=r"run tiny-run is not pushed: .*evaluation.json: no evaluation \(the evaluate"):
         push_model(run_dir, "alice/tiny-cpt", token=WRITE_TOKEN)
     assert "alice/tiny-cpt" not in hub.repos
