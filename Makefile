@@ -78,7 +78,7 @@ bytecode: deps
 
 ## The main suite on two xdist workers: every test but the local Slurm's.
 test-main: deps
-	$(VPY) -m pytest -n 2 -m "not slurm"
+	$(VPY) -m pytest -n 2 --dist worksteal -m "not slurm"
 
 ## The local Slurm's tests (started and stopped by their fixtures; Debian's slurm packages installed when missing).
 test-slurm: deps

@@ -18,7 +18,8 @@ training job with torchrun on the CPU backend, which the cluster never runs (it 
 this tier's own tests train that one, and the CPU backend beside it as their reference, under the lock's versions).
 The configuration, monitoring, Slurm pipeline rendering, CLI, logging and bad-input suites test our code over
 libraries pinned alike: the main suite's run is their verdict. The reruns use two xdist workers (their tests use no
-local Slurm); the tier's own tests run in one process (one XLA runtime).
+local Slurm); the tier's own tests run in one process (one XLA runtime). The three pytest runs go side by side,
+each one's output printed whole when it ends.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 import venv
 from pathlib import Path
 
@@ -106,8 +108,26 @@ def main(arguments: list[str]) -> int:
     python = str(venv_dir / "bin" / "python")
     if arguments:
         return subprocess.run([python, "-m", "pytest", *arguments], cwd=ROOT, env=environ, check=False).returncode
-    results = [subprocess.run([python, "-m", "pytest", *run], cwd=ROOT, env=environ, check=False) for run in RUNS]
-    return max(result.returncode for result in results)
+    return run_side_by_side([[python, "-m", "pytest", *run] for run in RUNS], environ)
+
+
+def run_side_by_side(commands: list[list[str]], environ: dict[str, str]) -> int:
+    """The pytest runs at once (the tier's own tests keep about one core busy, the reruns fill the other), each
+    one's output printed whole when it ends, in order; the highest exit status."""
+    with tempfile.TemporaryDirectory() as scratch:
+        logs = [Path(scratch) / f"run-{index}.log" for index in range(len(commands))]
+        processes = []
+        for command, log in zip(commands, logs, strict=True):
+            with log.open("wb") as output:
+                processes.append(
+                    subprocess.Popen(command, cwd=ROOT, env=environ, stdout=output, stderr=subprocess.STDOUT)
+                )
+        statuses = []
+        for process, log in zip(processes, logs, strict=True):
+            statuses.append(process.wait())
+            sys.stdout.write(log.read_text(errors="replace"))
+            sys.stdout.flush()
+    return max(statuses)
 
 
 if __name__ == "__main__":

@@ -161,31 +161,31 @@ def test_killed_run_resumes_to_identical_weights_and_optimizer_state(
             source_format="hf", target_format="nxd", input=llama_world["hf"], output=pretrained, tp=tp, pp=pp
         )
         convert(options)
-    common = [f"parallelism.tp={tp}", "steps=10", "checkpoint.every=5", f"model.pretrained={pretrained}", *settings]
+    common = [f"parallelism.tp={tp}", "steps=6", "checkpoint.every=3", f"model.pretrained={pretrained}", *settings]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = torchrun("tiny-llama-cpt", world_overrides(llama_world, straight, *common), processes=processes)
     assert result.returncode == 0, result.stderr[-3000:]
 
     killed = torchrun(
-        "tiny-llama-cpt", world_overrides(llama_world, resumed, *common), processes=processes, env={KILL_AT_STEP: "7"}
+        "tiny-llama-cpt", world_overrides(llama_world, resumed, *common), processes=processes, env={KILL_AT_STEP: "5"}
     )
     assert killed.returncode != 0
-    assert (resumed / "step_5" / "done").is_file() and not (resumed / "step_10").exists()
-    # A checkpoint interrupted before its `done` marker (a copy of step 5 without it) must be ignored.
-    shutil.copytree(resumed / "step_5", resumed / "step_7")
-    (resumed / "step_7" / "done").unlink()
+    assert (resumed / "step_3" / "done").is_file() and not (resumed / "step_6").exists()
+    # A checkpoint interrupted before its `done` marker (a copy of step 3 without it) must be ignored.
+    shutil.copytree(resumed / "step_3", resumed / "step_5")
+    (resumed / "step_5" / "done").unlink()
 
     again = torchrun("tiny-llama-cpt", world_overrides(llama_world, resumed, *common), processes=processes, resume=True)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from step 5" in again.stderr
-    expected, actual = tensors_of(straight / "step_10"), tensors_of(resumed / "step_10")
+    assert "resumed from step 3" in again.stderr
+    expected, actual = tensors_of(straight / "step_6"), tensors_of(resumed / "step_6")
     assert expected.keys() == actual.keys() and len(expected) > 10
     for key, value in expected.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, actual[key]), key
         else:
             assert value == actual[key], key
-    assert [r["loss"] for r in metrics(straight)][5:] == [r["loss"] for r in metrics(resumed)][-5:]
+    assert [r["loss"] for r in metrics(straight)][3:] == [r["loss"] for r in metrics(resumed)][-3:]
 
 
 def test_compile_mode_runs_two_steps_and_saves_nothing(llama_world: dict[str, Path], tmp_path: Path) -> None:
