@@ -57,8 +57,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
                         "execution": execution,
                     }
                 )
-    for case in plan:  # one torchrun a case: each initializes its own process group from torchrun's store
-        run_workers(WORKER, [case], root, TP, timeout=600, environment={"NXD_CPU_MODE": "1"})
+    run_workers(WORKER, plan, root, TP, timeout=600, environment={"NXD_CPU_MODE": "1"})
     return {
         case["name"]: [
             torch.load(root / "results" / case["name"] / f"rank_{r:02d}.pt", weights_only=False) for r in range(TP)

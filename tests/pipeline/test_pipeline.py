@@ -1,8 +1,9 @@
 """The whole pipeline on the real local Slurm, with the job scripts the cluster runs, under ParallelCluster's
 shell conditions (tests/support/parallelcluster_shell.py: Slurm only under the site's prefix, Python only by
-its path): both tiny recipes end to end, submitted by the pipeline custom resource's SSM script, training over
-2 nodes, a killed training job requeued and resumed to the same weights, a failing stage that cancels its
-dependants, a failed run resumed by resubmitting it, and a run cancelled by the custom resource's script."""
+its path): both tiny recipes end to end, submitted by the pipeline custom resource's SSM script, a training job
+on 2 nodes killed, requeued and resumed to the weights of the uninterrupted one-node run, a failing stage that
+cancels its dependants, a failed run resumed by resubmitting it, failed preflights, and a run cancelled by the
+custom resource's script."""
 
 from __future__ import annotations
 
@@ -230,34 +231,19 @@ def test_tiny_pipeline_completes_every_stage(name: str, reference_runs: dict[str
     assert attempts["compile"].end <= attempts["train"].start <= attempts["train"].end <= attempts["export"].start  # type: ignore[operator]
 
 
-def test_training_over_two_nodes_matches_one_node(
-    reference_runs: dict[str, Path], sources: dict[str, dict[str, Path]], site: Site
-) -> None:
-    """2 nodes x 1 process at TP 2: one TP group across two nodes, the same math as one node."""
-    two_nodes = site.model_copy(update={"processes_per_node": 1})
-    extra = ("steps=10", "checkpoint.every=5", "nodes=2", NO_EVALUATION)
-    run_dir = run("tiny-llama-cpt", sources["llama"], two_nodes, "llama-2-nodes", *extra)
-    assert set(states(run_dir).values()) == {"COMPLETED"}, stage_states(run_dir)
-    assert "#SBATCH --nodes=2" in (run_dir / "jobs" / "train.sbatch").read_text()
-    log = next((run_dir / "logs").glob("train-*.out")).read_text()
-    assert "2 nodes x 1 processes" in log
-    expected, actual = (
-        model_tensors(reference_runs["llama"] / "checkpoints" / "step_10"),
-        model_tensors(run_dir / "checkpoints" / "step_10"),
-    )
-    assert expected.keys() == actual.keys()
-    for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=key)
-
-
 @pytest.mark.parametrize(("name", "recipe"), [("llama", "tiny-llama-cpt"), ("mixtral", "tiny-mixtral-sft")])
 def test_killed_training_job_is_requeued_and_ends_with_identical_weights(
     name: str, recipe: str, reference_runs: dict[str, Path], sources: dict[str, dict[str, Path]], site: Site
 ) -> None:
-    """Llama at TP 2 on one node; Mixtral in two pipeline stages on two nodes."""
+    """Both on 2 nodes, killed after step 7 of 10, requeued and resumed from step 5, end bit for bit with the
+    weights of the uninterrupted run on 1 node. Llama: 2 nodes x 1 process at TP 2, one TP group across the nodes
+    (the same math as 1 node x 2 processes); Mixtral: two pipeline stages, one a node."""
+    layouts = {"llama": (site.model_copy(update={"processes_per_node": 1}), ("nodes=2",)), "mixtral": (site, ())}
+    two_nodes, nodes = layouts[name]
     os.environ[KILL_AT_STEP] = "7"  # sbatch exports the environment: rank 0 SIGKILLs itself after step 7, once
     try:
-        run_dir = run(recipe, sources[name], site, f"{name}-killed", "steps=10", "checkpoint.every=5", NO_EVALUATION)
+        extra = ("steps=10", "checkpoint.every=5", NO_EVALUATION, *nodes)
+        run_dir = run(recipe, sources[name], two_nodes, f"{name}-killed", *extra)
     finally:
         del os.environ[KILL_AT_STEP]
     assert set(states(run_dir).values()) == {"COMPLETED"}, stage_states(run_dir)
@@ -266,8 +252,9 @@ def test_killed_training_job_is_requeued_and_ends_with_identical_weights(
     log = (run_dir / "logs" / f"train-{job}.out").read_text()
     assert "fault injection: rank 0 kills itself after step 7" in log and "requeued to resume" in log
     assert "resumed from step 5" in log
-    if name == "mixtral":
-        assert "#SBATCH --nodes=2" in (run_dir / "jobs" / "train.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in (run_dir / "jobs" / "train.sbatch").read_text()
+    if name == "llama":
+        assert "2 nodes x 1 processes" in log
     expected = model_tensors(reference_runs[name] / "checkpoints" / "step_10")
     actual = model_tensors(run_dir / "checkpoints" / "step_10")
     assert expected.keys() == actual.keys()
@@ -321,11 +308,11 @@ def test_failed_stage_cancels_its_dependants_and_resubmitting_resumes(
     tokenizer) succeeds, everything after them is cancelled at once; resubmitting runs only what is left."""
     late = tmp_path / "late-model"
     world = {**sources["llama"], "hf": late}
-    extra = ("steps=4", "checkpoint.every=2", f"prepare.tokenizer={sources['llama']['tokenizer']}")
+    extra = ("steps=4", "checkpoint.every=2", f"prepare.tokenizer={sources['llama']['tokenizer']}", NO_EVALUATION)
     run_dir = run("tiny-llama-cpt", world, site, "llama-failing", *extra)
     first = states(run_dir)
     assert first["prepare"] == "COMPLETED" and first["convert-in"] == "FAILED"
-    cancelled = ("compile", "preflight", "train", "convert-out", "evaluate", "sample", "export")
+    cancelled = ("compile", "preflight", "train", "convert-out", "sample", "export")
     assert {first[s] for s in cancelled} == {"CANCELLED"}
     assert print_status(run_dir)
     printed = capsys.readouterr().out
@@ -363,10 +350,12 @@ def test_a_failed_evaluation_still_samples_and_exports_and_status_shows_it(
 NEURON_TOOLS = ROOT / "tests" / "support" / "neuron_tools"
 
 
-def neuron_site(site: Site, tmp_path: Path) -> Site:
+@pytest.fixture(scope="module")
+def neuron_site(site: Site, tmp_path_factory: pytest.TempPathFactory) -> Site:
     """The site as a Neuron site: the Neuron environment's directory (its `python`, and the stand-ins for
     neuron_parallel_compile and nccom-test beside it, as the environment and aws-neuronx-tools put them on the
     job's PATH), EFA, one process a node."""
+    tmp_path = tmp_path_factory.mktemp("neuron-site")
     environment = tmp_path / "neuron-env" / "bin"
     environment.mkdir(parents=True)
     (environment / "python").write_text(f'#!/bin/bash\nexec {sys.executable} "$@"\n')
@@ -375,6 +364,12 @@ def neuron_site(site: Site, tmp_path: Path) -> Site:
         (environment / tool.name).symlink_to(tool)
     update = {"python": str(environment / "python"), "neuron": True, "efa": True, "processes_per_node": 1}
     return site.model_copy(update={**update, "compile_cache": str(tmp_path / "neuron-cache")})
+
+
+# The preflight tests share one run: the first to come submits it whole, the others resubmit it after its failed
+# preflight, which runs the preflight and what follows it again (prepare, convert-in and compile are kept).
+PREFLIGHT_RUN = "llama-neuron-preflight"
+PREFLIGHT_SETTINGS = ("steps=2", "checkpoint.every=2", "nodes=2")
 
 
 def preflight_drained(slurm: Any) -> dict[str, str]:
@@ -412,7 +407,7 @@ def test_a_slow_node_fails_the_preflight_in_one_line_and_training_never_starts(
     drained: bool,
     slurm: Any,
     sources: dict[str, dict[str, Path]],
-    site: Site,
+    neuron_site: Site,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -425,9 +420,7 @@ def test_a_slow_node_fails_the_preflight_in_one_line_and_training_never_starts(
 
     monkeypatch.setenv("DEVICE_ROOT", str(fake_device_tree(tmp_path / "devices", neuron=16, efa=8)))
     monkeypatch.setenv("NCCOM_TEST_STANDIN_BUSBW", busbw)  # sbatch exports the environment to the jobs
-    extra = ("steps=2", "checkpoint.every=2", "nodes=2")
-    run_id = f"llama-preflight-{busbw.replace(':', '-').replace('.', '-')}"
-    run_dir = run("tiny-llama-cpt", sources["llama"], neuron_site(site, tmp_path), run_id, *extra)
+    run_dir = run("tiny-llama-cpt", sources["llama"], neuron_site, PREFLIGHT_RUN, *PREFLIGHT_SETTINGS)
     try:
         final = states(run_dir)
         assert final["compile"] == "COMPLETED" and final["preflight"] == "FAILED", final
@@ -451,7 +444,7 @@ def test_a_slow_node_fails_the_preflight_in_one_line_and_training_never_starts(
 def test_compiled_graphs_above_the_memory_plan_fail_the_preflight_and_drain_no_node(
     slurm: Any,
     sources: dict[str, dict[str, Path]],
-    site: Site,
+    neuron_site: Site,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -468,8 +461,7 @@ def test_compiled_graphs_above_the_memory_plan_fail_the_preflight_and_drain_no_n
 
     monkeypatch.setenv("DEVICE_ROOT", str(fake_device_tree(tmp_path / "devices", neuron=16, efa=8)))
     monkeypatch.setenv("NEURON_MONITOR_STANDIN_CORE_GIB", "1:15.2")  # node 0: the stand-in's 1.0 GiB
-    extra = ("steps=2", "checkpoint.every=2", "nodes=2")
-    run_dir = run("tiny-llama-cpt", sources["llama"], neuron_site(site, tmp_path), "llama-canary-memory", *extra)
+    run_dir = run("tiny-llama-cpt", sources["llama"], neuron_site, PREFLIGHT_RUN, *PREFLIGHT_SETTINGS)
     try:
         final = states(run_dir)
         assert final["compile"] == "COMPLETED" and final["preflight"] == "FAILED", final
@@ -538,13 +530,16 @@ def test_a_jobs_owner_may_pin_its_pending_job_but_only_an_operator_drains(slurm:
         shutil.rmtree(shared, ignore_errors=True)
 
 
+KILLED_SUBMIT_SETTINGS = ("steps=4", "checkpoint.every=2", NO_EVALUATION)
+
+
 def submit_killed_after(stage: str, run_id: str, world: dict[str, Path], site: Site, tmp_path: Path) -> Any:
     """`python -m training submit`, SIGKILLed right after `stage`'s sbatch, before run.json records its job."""
     site_file = tmp_path / "site.yaml"
     site_file.write_text(yaml.safe_dump(site.model_dump(mode="json")))
     command = ["submit", "--recipe", "tiny-llama-cpt", "--site", str(site_file), "--run-id", run_id]
     return subprocess.run(
-        [sys.executable, "-m", "training", *command, *overrides(world, "steps=4", "checkpoint.every=2")],
+        [sys.executable, "-m", "training", *command, *overrides(world, *KILLED_SUBMIT_SETTINGS)],
         cwd=ROOT,
         env={**os.environ, outputs.KILL_AT: f"submitted-{stage}"},
         capture_output=True,
@@ -571,10 +566,10 @@ def test_a_killed_submit_is_completed_by_its_rerun_with_one_job_per_stage(
     compile_job = queued_jobs(run_dir, site.slurm_bin).get("compile")
     assert compile_job is not None and compile_job not in recorded_jobs(run_dir).values()
 
-    world = overrides(sources["llama"], "steps=4", "checkpoint.every=2")
+    world = overrides(sources["llama"], *KILLED_SUBMIT_SETTINGS)
     result = submit("tiny-llama-cpt", world, run_id="llama-killed-submit", site=site, dry_run=False)
     assert result["kept"]["compile"] == compile_job  # with prepare and convert-in while they are queued
-    assert list(result["jobs"]) == ["preflight", "train", "convert-out", "evaluate", "sample", "export"]  # none kept
+    assert list(result["jobs"]) == ["preflight", "train", "convert-out", "sample", "export"]  # none kept
     rerun = Path(result["run_dir"])
     assert set(states(rerun).values()) == {"COMPLETED"}, stage_states(rerun)
     assert recorded_jobs(run_dir)["compile"] == compile_job

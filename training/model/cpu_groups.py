@@ -44,23 +44,28 @@ def _launcher_store() -> tuple[Store, int, int]:
     return _store
 
 
+def start_gloo_world() -> None:
+    """The default process group on gloo: over torchrun's store (env://) when launched by it, else a one-process
+    world. A fresh key prefix per start: a process may start again after its group was destroyed (the tests run
+    several cases in one torchrun, on either backend), and old rendezvous keys must not be reused."""
+    global _generation
+    _generation += 1
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        store, rank, world = _launcher_store()
+        prefixed = PrefixStore(f"training.model.parallel.{_generation}", store)
+        dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+
+
 def initialize(tp: int, pp: int, options: Mapping[str, Any]) -> None:
     """gloo over env:// under torchrun (RANK, WORLD_SIZE, MASTER_ADDR), else a one-process world.
 
     `options` configure neuronx-distributed's trainer; nothing here uses them."""
-    global _state, _generation
+    global _state
     owns_world = not dist.is_initialized()
     if owns_world:
-        _generation += 1
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            store, rank, world = _launcher_store()
-            # A fresh key prefix per initialisation: a process may initialise again after destroy()
-            # (the tests run several TP degrees in one torchrun), and old rendezvous keys must not be reused.
-            prefixed = PrefixStore(f"training.model.parallel.{_generation}", store)
-            dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world)
-        else:
-            store = HashStore()
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        start_gloo_world()
     world = dist.get_world_size()
     if tp < 1 or pp < 1 or world % (tp * pp):
         if owns_world:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.model import cpu_groups
 from training.model.parallel import NXD_UTILS, PARALLEL_STATE, PARALLEL_UTILS, QKV_LINEAR, TRAINER
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def initialize(tp: int, pp: int, options: Mapping[str, Any]) -> None:
     global _owns_world, _config
     if not dist.is_initialized():
         if cpu_mode():
-            dist.init_process_group("gloo")
+            cpu_groups.start_gloo_world()
         else:
             importlib.import_module("torch_xla.distributed.xla_backend")  # registers the "xla" backend
             dist.init_process_group("xla")
