@@ -137,15 +137,16 @@ def _validate_pipeline(
     if pipeline.recipe in bundled and not malformed:
         # The run would fail at submission, after the cluster is built: load the recipe with them now.
         try:
-            recipe = load_recipe(pipeline.recipe, pipeline.overrides)
+            hardware = HARDWARE.get(compute.instance_type)
+            generation = None if hardware is None else hardware.generation  # its `generations` section applied
+            recipe = load_recipe(pipeline.recipe, pipeline.overrides, generation=generation)
         except UserError as error:
             problems = error.problems if isinstance(error, ConfigError) else [str(error)]
             for problem in problems:
                 detail = problem.removeprefix(f"{resolve_recipe_path(pipeline.recipe)}: ")
                 bad("pipeline.overrides", list(pipeline.overrides), f"what recipe {pipeline.recipe} accepts ({detail})")
             return
-        # A run the deploy starts must fit the NeuronCores' memory: refuse before any trn1 node bills.
-        hardware = HARDWARE.get(compute.instance_type)
+        # A run the deploy starts must fit the NeuronCores' memory: refuse before any Trainium node bills.
         if pipeline.start_run and hardware is not None:
             try:
                 too_big = refusal(recipe, hardware)

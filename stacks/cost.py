@@ -195,7 +195,7 @@ def run_forecast(config: EnvironmentConfig, recipe: Recipe | None = None) -> For
     hardware = HARDWARE.get(config.compute.instance_type)
     if not config.pipeline.start_run or hardware is None:
         return None
-    recipe = recipe or load_recipe(config.pipeline.recipe, config.pipeline.overrides)
+    recipe = recipe or load_recipe(config.pipeline.recipe, config.pipeline.overrides, generation=hardware.generation)
     return forecast_of(
         recipe,
         hardware,

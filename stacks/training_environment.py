@@ -59,7 +59,8 @@ def memory_plan_line(config: EnvironmentConfig) -> MemoryPlanLine | None:
     if hardware is None:
         return None
     try:
-        planned = planned_gib_per_core(load_recipe(config.pipeline.recipe, config.pipeline.overrides), hardware)
+        recipe = load_recipe(config.pipeline.recipe, config.pipeline.overrides, generation=hardware.generation)
+        planned = planned_gib_per_core(recipe, hardware)
     except UserError:  # a layout these instances cannot hold; the deploy refuses to start such a run
         return None
     if planned is None:

@@ -30,13 +30,20 @@ handler = load_handler_file(ROOT / "assets" / "lambda" / "preflight" / "handler.
 REGION = "us-west-2"
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
 ZONE_ID, ZONE_NAME = "usw2-az4", "us-west-2d"
-VCPUS = {"trn1.32xlarge": 128, "trn1.2xlarge": 8, "r6a.8xlarge": 32, "m6a.2xlarge": 8, "r6a.2xlarge": 8}
+VCPUS = {
+    "trn1.32xlarge": 128,
+    "trn1.2xlarge": 8,
+    "trn2.48xlarge": 192,
+    "r6a.8xlarge": 32,
+    "m6a.2xlarge": 8,
+    "r6a.2xlarge": 8,
+}
 RESERVATION = "cr-0123456789abcdef0"
 
 
-def default_properties(**capacity: Any) -> dict[str, Any]:
-    """The default environment's properties as the stack passes them (numbers become strings in CloudFormation)."""
-    config = load_environment("default")
+def default_properties(name: str = "default", **capacity: Any) -> dict[str, Any]:
+    """An environment's properties as the stack passes them (numbers become strings in CloudFormation)."""
+    config = load_environment(name)
     if capacity:
         compute = config.compute.model_copy(update={"capacity": config.compute.capacity.model_copy(update=capacity)})
         config = config.model_copy(update={"compute": compute})
@@ -76,26 +83,27 @@ def aws() -> Iterator[Aws]:
         stubber.assert_no_pending_responses()
 
 
-def zone(aws: Aws, given: str = ZONE_ID) -> None:
+def zone(aws: Aws, given: str = ZONE_ID, found: tuple[str, str, str] = (ZONE_ID, ZONE_NAME, REGION)) -> None:
     key = "ZoneIds" if "-az" in given else "ZoneNames"
+    zone_id, zone_name, region = found
     aws.stub("ec2").add_response(
         "describe_availability_zones",
-        {"AvailabilityZones": [{"ZoneId": ZONE_ID, "ZoneName": ZONE_NAME, "RegionName": REGION, "State": "available"}]},
+        {"AvailabilityZones": [{"ZoneId": zone_id, "ZoneName": zone_name, "RegionName": region, "State": "available"}]},
         {key: [given]},
     )
 
 
-def offerings(aws: Aws, offered: list[str], wanted: list[str]) -> None:
+def offerings(aws: Aws, offered: list[str], wanted: list[str], zone_id: str = ZONE_ID) -> None:
     aws.stub("ec2").add_response(
         "describe_instance_type_offerings",
         {
             "InstanceTypeOfferings": [
-                {"InstanceType": t, "LocationType": "availability-zone-id", "Location": ZONE_ID} for t in offered
+                {"InstanceType": t, "LocationType": "availability-zone-id", "Location": zone_id} for t in offered
             ]
         },
         {
             "LocationType": "availability-zone-id",
-            "Filters": [{"Name": "location", "Values": [ZONE_ID]}, {"Name": "instance-type", "Values": wanted}],
+            "Filters": [{"Name": "location", "Values": [zone_id]}, {"Name": "instance-type", "Values": wanted}],
         },
     )
 
@@ -262,6 +270,51 @@ def block_account(aws: Aws, found: dict[str, Any]) -> None:
 def test_a_capacity_block_must_be_active_and_fit(aws: Aws, changes: dict[str, Any], expected: list[str]) -> None:
     block_account(aws, reservation(**changes))
     assert problems(aws, default_properties(type="capacity-block", reservation_id=RESERVATION)) == expected
+
+
+TRN2_ZONE = ("use2-az3", "us-east-2c", "us-east-2")  # environments/trn2.yaml's zone
+TRN2_WANTED = ["m6a.2xlarge", "r6a.8xlarge", "trn2.48xlarge"]
+
+
+def trn2_account(aws: Aws, offered: list[str], trn_quota: float | None) -> None:
+    zone(aws, TRN2_ZONE[0], TRN2_ZONE)
+    offerings(aws, offered, TRN2_WANTED, zone_id=TRN2_ZONE[0])
+    instance_types(aws, TRN2_WANTED)
+    quota(aws, "L-1216C47A", 640)
+    if trn_quota is not None:
+        quota(aws, "L-2C3B7624", trn_quota)
+    fsx_quota(aws, 100800)
+
+
+def test_trn2_on_demand_needs_192_trn_vcpus_a_node_in_a_zone_that_offers_it(aws: Aws) -> None:
+    """The Trn quota covers trn2 as trn1 (vCPUs: 192 a trn2.48xlarge); the zone must offer the type."""
+    trn2_account(aws, ["m6a.2xlarge", "r6a.8xlarge"], trn_quota=128)
+    assert problems(aws, default_properties("trn2", type="on-demand", reservation_id=None)) == [
+        "zone use2-az3 (us-east-2c in this account) does not offer trn2.48xlarge (queue trn2); allowed: a zone that "
+        "does (aws ec2 describe-instance-type-offerings --location-type availability-zone-id)",
+        'Service Quotas: "Running On-Demand Trn instances" (L-2C3B7624) is 128 vCPUs, the environment needs 192; '
+        "allowed: a quota raised to at least that (Service Quotas console, or fewer/smaller nodes)",
+    ]
+
+
+def test_the_trn2_environments_block_must_hold_trn2_in_its_zone(aws: Aws) -> None:
+    """environments/trn2.yaml as it is: no Trn quota asked (a block is bought whole), its block checked."""
+    trn2_account(aws, TRN2_WANTED, trn_quota=None)
+    block = load_environment("trn2").compute.capacity.reservation_id
+    found = reservation(
+        CapacityReservationId=block,
+        InstanceType="trn1.32xlarge",
+        AvailabilityZone=TRN2_ZONE[1],
+        AvailabilityZoneId=TRN2_ZONE[0],
+        TotalInstanceCount=1,
+        AvailableInstanceCount=1,
+    )
+    aws.stub("ec2").add_response(
+        "describe_capacity_reservations", {"CapacityReservations": [found]}, {"CapacityReservationIds": [block]}
+    )
+    assert problems(aws, default_properties("trn2")) == [
+        f"capacity reservation {block} holds trn1.32xlarge, not trn2.48xlarge"
+    ]
 
 
 def test_a_reservation_that_does_not_exist_is_one_line(aws: Aws) -> None:

@@ -247,7 +247,7 @@ RULES = {
     "efa on a type without efa": (
         {"compute.instance_type": "trn1.2xlarge", "compute.max_count": 1},
         "environments-under-test/candidate.yaml: compute.efa: True is not allowed; allowed: false for trn1.2xlarge, "
-        "which has no EFA (EFA types: trn1.32xlarge, trn1n.32xlarge)",
+        "which has no EFA (EFA types: trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge)",
     ),
     "multi-node on a type without efa": (
         {"compute.instance_type": "trn1.2xlarge", "compute.efa": False, "compute.max_count": 2},
@@ -262,7 +262,7 @@ RULES = {
     "unknown compute instance type": (
         {"compute.instance_type": "p4d.24xlarge"},
         "environments-under-test/candidate.yaml: compute.instance_type: 'p4d.24xlarge' is not allowed; "
-        "allowed: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge",
+        "allowed: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.3xlarge, trn2.48xlarge",
     ),
     "availability zone outside the region": (
         {"availability_zone": "us-east-1a"},

@@ -22,11 +22,13 @@ from stacks.cost import (
 from tests.support.repository import ROOT
 
 
-def test_readme_cost_table_is_the_command_output_for_the_default_environment() -> None:
+@pytest.mark.parametrize("name", ["default", "trn2"])
+def test_readme_cost_tables_are_the_command_output(name: str) -> None:
     readme = (ROOT / "README.md").read_text()
-    match = re.search(r"<!-- python -m stacks.cost --env default -->\n(.*?)<!-- end -->", readme, flags=re.DOTALL)
-    assert match, "README: the cost table's markers are missing"
-    assert match.group(1) == render_table(load_environment("default", ENVIRONMENTS_DIR)), "run `make cost`"
+    marker = f"<!-- python -m stacks.cost --env {name} -->"
+    match = re.search(re.escape(marker) + r"\n(.*?)<!-- end -->", readme, flags=re.DOTALL)
+    assert match, f"README: the cost table's markers for {name} are missing"
+    assert match.group(1) == render_table(load_environment(name, ENVIRONMENTS_DIR)), f"run `make cost ENV={name}`"
 
 
 @pytest.mark.parametrize("name", ["default", "smoke"])

@@ -97,14 +97,22 @@ def test_the_planner_and_the_stacks_read_one_instance_table() -> None:
 
     assert ComputeConfig.model_json_schema()["properties"]["instance_type"]["enum"] == list(HARDWARE)
     derived = {
-        name: (h.cores_per_node, h.hbm_gib_per_core, h.efa, h.peak_bf16_tflops_per_core) for name, h in HARDWARE.items()
+        name: (h.generation, h.cores_per_node, h.hbm_gib_per_core, h.efa_devices, h.peak_bf16_tflops_per_core)
+        for name, h in HARDWARE.items()
     }
     assert derived == {
-        "trn1.2xlarge": (2, 16.0, False, 95.0),
-        "trn1.32xlarge": (32, 16.0, True, 95.0),
-        "trn1n.32xlarge": (32, 16.0, True, 95.0),
+        "trn1.2xlarge": ("trn1", 2, 16.0, 0, 95.0),
+        "trn1.32xlarge": ("trn1", 32, 16.0, 8, 95.0),
+        "trn1n.32xlarge": ("trn1", 32, 16.0, 16, 95.0),
+        # Trn2 at its default LNC 2: 2 physical NeuronCore-v3 a process, 24 GiB and 2 x 667/8 TFLOPS each
+        "trn2.3xlarge": ("trn2", 4, 24.0, 0, 166.75),
+        "trn2.48xlarge": ("trn2", 64, 24.0, 16, 166.75),
     }
+    trn2 = HARDWARE["trn2.48xlarge"]
+    assert [trn2.cores_at(lnc) for lnc in (2, 1)] == [64, 128]  # NEURON_LOGICAL_NC_CONFIG 2 (default) or 1
+    assert trn2.cores_per_node * trn2.peak_bf16_tflops_per_core == pytest.approx(10_672)  # 10.7 PFLOPS a node
     assert load_recipe("llama31-8b-cpt").peak_tflops_per_worker == DEFAULT_HARDWARE.peak_bf16_tflops_per_core
+    assert load_recipe("llama31-8b-cpt", generation="trn2").peak_tflops_per_worker == trn2.peak_bf16_tflops_per_core
 
 
 def test_budget_refusal_is_one_line_naming_both_numbers_and_the_override() -> None:
@@ -154,18 +162,41 @@ def test_submit_runs_what_the_budget_accepts_and_prints_its_forecast(
 
 
 def test_plan_prints_the_forecast(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--recipe", "llama31-8b-cpt", "steps=10000"]) == 0
+    assert main(["plan", "--recipe", "llama31-8b-cpt", "--instance-type", "trn1.32xlarge", "steps=10000"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2].startswith("forecast: 10,000 steps x 1024 x 8192 = 83.9 B tokens; at 1.50 seq/s per node")
     assert "19.8 days" in lines[-2] and "about $40,770" in lines[-2]
     assert lines[-1].startswith("throughput: Neuron's published table, SDK 2.24")
-    assert main(["plan", "--recipe", "mixtral-8x7b-sft", "--json"]) == 0
+    assert main(["plan", "--recipe", "mixtral-8x7b-sft", "--instance-type", "trn1.32xlarge", "--json"]) == 0
     forecast = json.loads(capsys.readouterr().out)["forecast"]
     assert forecast["tokens"] == 300 * 32 * 2048 and forecast["steps"] == 300
     assert forecast["throughput_source"].startswith("derived")
     assert forecast["usd_band"][0] < forecast["usd"] < forecast["usd_band"][1]
     low, high = forecast["seq_per_second_per_node_band"]
     assert low < forecast["seq_per_second_per_node"] < high
+
+
+def test_plan_shows_both_generations_side_by_side_each_with_its_recipe_settings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --instance-type: each generation's training node, the recipe's settings for it applied; the trn2
+    forecast scales the published trn1 figure by peak FLOPS (the same MFU)."""
+    assert main(["plan", "--recipe", "llama31-8b-cpt"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["llama31-8b-cpt", "trn1", "trn2"]
+    assert lines[1].split("  ")[0] == "nodes" and "4 x trn1.32xlarge" in lines[1] and "1 x trn2.48xlarge" in lines[1]
+    assert "TP 32 x PP 1 x DP 4, K/V x4" in lines[2] and "TP 16 x PP 1 x DP 4, K/V x2" in lines[2]
+    assert "of 16 GiB" in lines[3] and "of 24 GiB" in lines[3]
+    assert any(line.startswith("llama31-8b-cpt on 1 x trn2.48xlarge: TP 16, PP 1, DP 4") for line in lines)
+    assert main(["plan", "--recipe", "mixtral-8x7b-sft", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["generations"]
+    assert [plans[g]["hardware"] for g in ("trn1", "trn2")] == ["trn1.32xlarge", "trn2.48xlarge"]
+    trn2 = plans["trn2"]
+    assert (trn2["nodes"], trn2["tp"], trn2["pp"], trn2["dp"], trn2["kv_size_multiplier"]) == (1, 16, 4, 1, 2)
+    assert trn2["fits"] and trn2["headroom"] >= 0.10  # the issue's bar for an unpublished layout
+    llama = forecast_of(load_recipe("llama31-8b-cpt", generation="trn2"), HARDWARE["trn2.48xlarge"])
+    assert llama is not None and "scaled by peak FLOPS to 166.75 TFLOPS a core" in llama.throughput.source
+    assert llama.throughput.expected == pytest.approx(1.50 * 64 * 166.75 / (32 * 95))
 
 
 def test_the_forecast_is_torch_free() -> None:

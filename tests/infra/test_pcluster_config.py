@@ -31,6 +31,7 @@ from stacks.pcluster_config import ClusterResources, build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
 from stacks.training_environment import cluster_settings, node_health
 from tests.support.pcluster_offline import (
+    INSTANCE_TYPES,
     VPC_ID,
     FileSystems,
     errors_of,
@@ -38,6 +39,7 @@ from tests.support.pcluster_offline import (
     validate_cluster_config,
 )
 from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized, cdk_json_context
+from training.config.hardware import HARDWARE
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
@@ -436,6 +438,38 @@ def test_reserved_capacity_and_zone_ids_pass_parallelcluster_validation(case: st
         assert {s["Properties"].get("AvailabilityZone") for s in subnets} == {"us-west-2d"}
         assert all("AvailabilityZoneId" not in s["Properties"] for s in subnets)
         assert "CapacityReservationTarget" not in resource
+
+
+def test_the_trn2_environment_passes_parallelcluster_validation_with_its_block(
+    synthesized: dict[str, Synthesized],
+) -> None:
+    """environments/trn2.yaml, validated with its Capacity Block as the account would hold it: ParallelCluster's
+    rules for reserved capacity (static nodes, the block as the target, no placement group of ours) and EFA on a
+    type whose 16 network cards ParallelCluster gives an interface each."""
+    env = synthesized["trn2"]
+    configuration = resolved_configuration(env)
+    queue = configuration["Scheduling"]["SlurmQueues"][0]
+    (resource,) = queue["ComputeResources"]
+    zone = next(iter(subnet_zones_of(env.template, env.config.region).values()))
+    block = env.config.compute.capacity.reservation_id
+    assert block is not None
+    held = reservation(block, instance_type="trn2.48xlarge", zone=zone, count=1, kind="capacity-block")
+    report = run_offline_validation(
+        configuration,
+        cluster_name=env.config.cluster_name,
+        region=env.config.region,
+        capacity_reservations={block: held},
+        **account_of(env),
+    )
+    assert errors_of(report.findings) == []
+    assert resource["InstanceType"] == "trn2.48xlarge" and resource["Efa"] == {"Enabled": True}
+    assert queue["CapacityType"] == "CAPACITY_BLOCK" and resource["MinCount"] == resource["MaxCount"] == 1
+    assert resource["CapacityReservationTarget"] == {"CapacityReservationId": block}
+    assert queue["Networking"]["PlacementGroup"] == {"Enabled": False}
+    assert {"CapacityReservationValidator", "EfaValidator"} <= set(report.executed_validators)
+    assert (
+        INSTANCE_TYPES["trn2.48xlarge"]["NetworkInfo"]["MaximumNetworkCards"] == HARDWARE["trn2.48xlarge"].efa_devices
+    )
 
 
 def test_parallelcluster_rejects_a_reservation_of_another_type_zone_or_size(tmp_path: Path) -> None:

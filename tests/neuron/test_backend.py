@@ -344,25 +344,26 @@ def test_placement_keeps_parallel_attributes_and_tied_weights(
     assert unmarked == []
 
 
-def test_replicated_kv_heads_are_refused_off_trn1(
+def test_a_run_for_trn1_is_refused_on_a_trn2_host(
     worlds: dict[str, dict[str, Path]],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """K/V replicas are laid out as NxD tiles them on trn1; NxD groups them differently on trn2, so a recipe
-    that replicates K/V heads stops there at start, with one line, before anything is launched."""
+    """NxD lays the K/V replicas out for the host's generation (here trn2, through NxD's override): a recipe
+    for trn1 stops at start, with one line, before anything is launched."""
     from training.cli import main
 
-    monkeypatch.setenv("NEURON_STANDIN_PLATFORM", "trn2")
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
     world = worlds["llama"]
     arguments = ["train", "--recipe", "tiny-llama-cpt", f"model.config={world['hf']}", f"data.path={world['data']}"]
     arguments += [f"checkpoint.dir={tmp_path / 'ckpt'}", "parallelism.tp=4", "backend=neuron", "precision=fp32"]
     assert main(arguments) == 2
     error = capsys.readouterr().err.strip()
     assert error == (
-        "error: parallelism.kv_size_multiplier: 2 is not allowed; allowed: 1 on trn2: replicated K/V heads are "
-        "laid out for trn1 only; use a TP degree that divides the 2 KV heads"
+        "error: generation: 'trn1' is not allowed; allowed: trn2, this host's Trainium generation "
+        "(neuronx-distributed lays the K/V replicas out for it; a checkpoint moves to another generation through "
+        "hf: `convert --to nxd --target`)"
     )
     assert not (tmp_path / "ckpt").exists()
 

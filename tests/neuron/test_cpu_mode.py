@@ -96,3 +96,70 @@ def test_nxd_gradient_norm_at_tp2_is_the_true_norm(architecture: str, results: d
     true_norm = squares**0.5
     for rank in results[f"{architecture}-neuron"]:
         assert rank["grad_norm"] == pytest.approx(true_norm, rel=1e-5)
+
+
+# --- Trainium2: a KV head's replicas on adjacent ranks --------------------------------------------------------
+
+TRN2_WORLD = 4
+TRN2_TP = (2, 4)  # one KV head: replicated 2 and 4 times
+
+
+@pytest.fixture(scope="module")
+def trn2_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """NxD's GQA layer and kv-shared groups as NxD builds them for trn2 (its NEURON_PLATFORM_TARGET_OVERRIDE, which
+    the torch-neuronx stand-in honours as the real one does), against the cpu backend's trn2 layout: a model with
+    one KV head at TP 2 (2 data-parallel replicas) and TP 4, from checkpoints converted with --target trn2."""
+    root = tmp_path_factory.mktemp("trn2")
+    tokenizer = train_tokenizer(root / "tokenizer")
+    hf = tiny_model(root / "hf", tokenizer, architecture="llama", kv_heads=1)
+    vocab = read_config(hf, None)[0]["vocab_size"]
+    generator = torch.Generator().manual_seed(1)
+    plan = []
+    for tp in TRN2_TP:
+        checkpoint = root / f"nxd-tp{tp}"
+        convert(
+            ConvertOptions(source_format="hf", target_format="nxd", input=hf, output=checkpoint, tp=tp, target="trn2")
+        )
+        batches = [torch.randint(0, vocab, (2, 24), generator=generator).tolist() for _ in range(TRN2_WORLD // tp)]
+        for backend in ("cpu", "neuron"):
+            name = f"tp{tp}-{backend}"
+            common = {"tp": tp, "checkpoint": str(checkpoint), "batches": batches, "generation": "trn2"}
+            plan.append({"name": name, "backend": backend, **common})
+    environment = {"NXD_CPU_MODE": "1", "NEURON_PLATFORM_TARGET_OVERRIDE": "trn2"}
+    run_workers(WORKER, plan, root, TRN2_WORLD, timeout=600, environment=environment)
+    return {
+        case["name"]: [
+            torch.load(root / "results" / case["name"] / f"rank_{r:02d}.pt", weights_only=False)
+            for r in range(TRN2_WORLD)
+        ]
+        for case in plan
+    }
+
+
+@pytest.mark.parametrize("tp", TRN2_TP)
+def test_trn2_kv_replicas_equal_the_cpu_backend(tp: int, trn2_results: dict[str, list[dict[str, Any]]]) -> None:
+    for cpu, neuron in zip(trn2_results[f"tp{tp}-cpu"], trn2_results[f"tp{tp}-neuron"], strict=True):
+        assert (cpu["tp_rank"], cpu["dp_rank"]) == (neuron["tp_rank"], neuron["dp_rank"])
+        assert torch.allclose(neuron["logits"], cpu["logits"], rtol=RTOL, atol=ATOL)
+        assert torch.allclose(neuron["loss"], cpu["loss"], rtol=RTOL, atol=ATOL)
+        assert neuron["grads"].keys() == cpu["grads"].keys()
+        for name, grad in cpu["grads"].items():
+            assert torch.allclose(neuron["grads"][name], grad, rtol=RTOL, atol=ATOL), name
+    # The replicas of the one KV head, on every rank, loaded the same weights and got the same gradient.
+    key = "model.layers.0.self_attn.qkv_proj.weight_k"
+    ranks = trn2_results[f"tp{tp}-neuron"]
+    assert all(torch.equal(rank["state_dict"][key], ranks[0]["state_dict"][key]) for rank in ranks)
+    assert all(torch.allclose(rank["grads"][key], ranks[0]["grads"][key], rtol=RTOL, atol=ATOL) for rank in ranks)
+
+
+@pytest.mark.parametrize("generation", ["trn1", "trn2"])
+@pytest.mark.parametrize(("world", "tp", "multiplier"), [(4, 4, 2), (8, 4, 2), (8, 8, 4), (16, 8, 2)])
+def test_kv_shared_groups_are_nxds(generation: str, world: int, tp: int, multiplier: int) -> None:
+    """The cpu backend's groups of ranks sharing a KV head are NxD's `arrange_kv_groups` for the generation."""
+    from neuronx_distributed.parallel_layers.parallel_state import arrange_kv_groups
+    from neuronx_distributed.utils.utils import hardware
+
+    from training.model.cpu_groups import kv_shared_groups
+
+    expected = arrange_kv_groups(world // tp, tp, multiplier, hardware_type=hardware(generation))
+    assert kv_shared_groups(tp, world, multiplier, adjacent=generation == "trn2") == expected

@@ -29,8 +29,10 @@ from training.cli import main
 from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 from training.config.site import Site
+from training.errors import UserError
 from training.pipeline.plan import plan_run, processes_per_node
 from training.pipeline.scripts import RENDEZVOUS_PORTS, render
+from training.pipeline.submit import submit
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_SCRIPT = ROOT / "assets" / "node" / "on_node_configured.sh"
@@ -42,9 +44,13 @@ RESERVED = "net.ipv4.ip_local_reserved_ports"
 PORT_RANGE = f"{RENDEZVOUS_PORTS.start}-{RENDEZVOUS_PORTS.stop - 1}"
 
 # NxD's Llama example (REFERENCE.md section 7) and NxD's Mixtral run (REFERENCE.md, "NxD's own runs").
+# The generation's target and logical core size come first (trn1: LNC 1).
 NEURON_SETTINGS = {
-    "llama31-8b-cpt": ("--model-type=transformer --cache_dir=/fsx/neuron-cache", 3),
-    "mixtral-8x7b-sft": ("--model-type=transformer --enable-saturate-infinity --cache_dir=/fsx/neuron-cache", 7),
+    "llama31-8b-cpt": ("--target=trn1 --lnc=1 --model-type=transformer --cache_dir=/fsx/neuron-cache", 3),
+    "mixtral-8x7b-sft": (
+        "--target=trn1 --lnc=1 --model-type=transformer --enable-saturate-infinity --cache_dir=/fsx/neuron-cache",
+        7,
+    ),
 }
 
 
@@ -106,9 +112,46 @@ def test_the_vcpus_per_task_are_the_cpus_parallelcluster_gives_the_slurm_node() 
     for instance_type, hardware in HARDWARE.items():
         info = InstanceTypeInfo(copy.deepcopy(INSTANCE_TYPES[instance_type]))
         assert info.vcpus_count() == hardware.vcpus, instance_type
-        devices = INSTANCE_TYPES[instance_type]["NeuronInfo"]["NeuronDevices"]
-        cores = sum(device["Count"] * device["CoreInfo"]["Count"] for device in devices)
-        assert HARDWARE[instance_type].cores_per_node == cores, instance_type
+        (devices,) = INSTANCE_TYPES[instance_type]["NeuronInfo"]["NeuronDevices"]
+        assert (hardware.neuron_devices, hardware.chip.physical_cores) == (
+            devices["Count"],
+            devices["CoreInfo"]["Count"],
+        )
+        assert hardware.chip.hbm_gib * 1024 == devices["MemoryInfo"]["SizeInMiB"], instance_type
+        # one process per logical NeuronCore: LNC physical cores each (trn2's default 2)
+        assert hardware.cores_per_node * hardware.logical_core_size == devices["Count"] * devices["CoreInfo"]["Count"]
+
+
+def test_a_trn2_site_runs_each_recipes_trn2_settings_at_lnc_2() -> None:
+    """environments/trn2.yaml's site: the recipes' trn2 sections (1 node, TP 16), a process per logical core (64),
+    the runtime's and the compiler's logical core size and target, the converter's trn2 K/V layout."""
+    site = default_site("trn2")
+    assert site.instance_type == "trn2.48xlarge" and site.processes_per_node == 64
+    for recipe, layout in (("llama31-8b-cpt", "--tp 16"), ("mixtral-8x7b-sft", "--tp 16 --pp 4")):
+        plan = plan_run(load_recipe(recipe, generation="trn2"), site, "RUN-ID")  # as `submit` loads it there
+        assert (plan.resolved.generation, plan.resolved.nodes) == ("trn2", 1)
+        scripts = render(plan)
+        for stage in ("compile", "train"):
+            text = scripts[stage]
+            assert "--nproc_per_node 64 " in text and "#SBATCH --cpus-per-task=192\n" in text, stage
+            assert "export NEURON_LOGICAL_NC_CONFIG=2\n" in text, stage
+            assert "export NEURON_CC_FLAGS='--target=trn2 --lnc=2 --model-type=transformer" in text, stage
+        convert_in = " ".join(scripts["convert-in"].split())
+        assert f"{layout} --kv-size-multiplier 2 --target trn2" in convert_in.replace(" \\ ", " "), convert_in
+    trn1 = rendered("llama31-8b-cpt", default_site())["train"]
+    assert "export NEURON_LOGICAL_NC_CONFIG=1\n" in trn1 and "NEURON_CC_FLAGS='--target=trn1 --lnc=1 " in trn1
+
+
+def test_a_recipe_for_another_generation_than_the_sites_is_refused_at_submit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    site = default_site("trn2")
+    with pytest.raises(UserError) as refused:
+        submit("llama31-8b-cpt", ["generation=trn1"], run_id="RUN-ID", site=site, dry_run=True)
+    assert str(refused.value) == (
+        "generation: 'trn1' is not allowed; allowed: trn2, the generation of the site's trn2.48xlarge (or omit it: "
+        "submit takes it from the site)"
+    )
 
 
 @pytest.mark.parametrize("recipe", ["tiny-llama-cpt", "tiny-mixtral-sft"])

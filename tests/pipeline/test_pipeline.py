@@ -33,6 +33,7 @@ from tests.support.parallelcluster_shell import (
 from training import outputs
 from training.config.site import Site
 from training.errors import UserError
+from training.formats.sharded import recorded_generation
 from training.local.tiny import make_tiny_sources
 from training.pipeline import timeline
 from training.pipeline.run_record import latest_jobs, read_run
@@ -530,7 +531,9 @@ def test_a_jobs_owner_may_pin_its_pending_job_but_only_an_operator_drains(slurm:
         shutil.rmtree(shared, ignore_errors=True)
 
 
-KILLED_SUBMIT_SETTINGS = ("steps=4", "checkpoint.every=2", NO_EVALUATION)
+# On Trainium2's K/V layout (the tiny recipe's trn2 section: TP 4 over 2 nodes, each KV head on 2 adjacent ranks),
+# so that layout runs end to end on every CI run: converted, trained, saved and converted back.
+KILLED_SUBMIT_SETTINGS = ("steps=4", "checkpoint.every=2", NO_EVALUATION, "generation=trn2")
 
 
 def submit_killed_after(stage: str, run_id: str, world: dict[str, Path], site: Site, tmp_path: Path) -> Any:
@@ -576,6 +579,21 @@ def test_a_killed_submit_is_completed_by_its_rerun_with_one_job_per_stage(
     logs = sorted(p.name.rsplit("-", 1)[0] for p in (run_dir / "logs").glob("*.out"))
     stages = json.loads((run_dir / "run.json").read_text())["stages"]
     assert logs == sorted(stages), logs  # one job per stage, none submitted twice
+    # The trn2 layout throughout: the converter's output and the checkpoints record it, the model comes back whole.
+    converted = json.loads((run_dir / "pretrained_weight" / "manifest.json").read_text())
+    assert (
+        converted["generation"],
+        converted["parallelism"]["tp"],
+        converted["parallelism"]["kv_size_multiplier"],
+    ) == (
+        "trn2",
+        4,
+        2,
+    )
+    assert recorded_generation(run_dir / "checkpoints" / "step_4") == "trn2"
+    assert "2 nodes x 2 processes" in next((run_dir / "logs").glob("train-*.out")).read_text()
+    exported = AutoModelForCausalLM.from_pretrained(Path(site.results) / "llama-killed-submit" / "hf")
+    assert exported.config.num_key_value_heads == 2
 
 
 def test_cancel_finds_the_job_a_killed_submit_did_not_record(

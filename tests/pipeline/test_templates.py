@@ -27,8 +27,9 @@ SNAPSHOTS = Path(__file__).parent / "snapshots"
 CLUSTER_RECIPES = ("llama31-8b-cpt", "mixtral-8x7b-sft")
 
 
-def default_site() -> Site:
-    config = load_environment("default", ROOT / "environments")
+def default_site(environment: str = "default") -> Site:
+    """The site file the deploy writes for a bundled environment."""
+    config = load_environment(environment, ROOT / "environments")
     release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
     settings = site_settings(
         config,
@@ -86,7 +87,7 @@ def test_cluster_scripts_carry_the_cluster_settings() -> None:
             r"(?<![/\w-])(sbatch|srun|scontrol|scancel|squeue|neuron_parallel_compile|python3?) ", commands
         )
         assert not bare, f"{stage} runs {bare} from PATH"
-    assert "--tp 32 \\\n    --kv-size-multiplier 4 \\\n    --xser" in scripts["convert-in"]
+    assert "--tp 32 \\\n    --kv-size-multiplier 4 \\\n    --target trn1 \\\n    --xser" in scripts["convert-in"]
     assert "--run-dir /fsx/runs/RUN-ID --output s3://RESULTS-BUCKET/results/RUN-ID --overwrite\n" in scripts["export"]
     assert "--input /fsx/runs/RUN-ID/hf --output /fsx/runs/RUN-ID/samples.json\n" in scripts["sample"]
     assert (

@@ -24,7 +24,8 @@ from training.train.neuron_training import neuron_trainer_options
 
 def run_case(case: dict[str, Any], out: Path) -> None:
     backend = case.get("backend", "cpu")  # "neuron" in the neuron tier, under NxD's CPU mode
-    parallel.initialize(case["tp"], backend, neuron_options=neuron_trainer_options(OptimizerSection(lr=1e-3)))
+    trainer = neuron_trainer_options(OptimizerSection(lr=1e-3))
+    parallel.initialize(case["tp"], backend, neuron_options=trainer, generation=case.get("generation", "trn1"))
     try:
         checkpoint = Path(case["checkpoint"])
         config = json.loads((checkpoint / "config.json").read_text())

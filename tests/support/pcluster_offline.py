@@ -111,18 +111,18 @@ def _network_cards(count: int, performance: str, max_interfaces: int, baseline: 
     ]
 
 
-def _neuron_info(devices: int) -> dict:
-    """`NeuronInfo` of a Trainium (trn1 family) shape: 2 NeuronCore-v2 and 32 GiB per device."""
+def _neuron_info(devices: int, *, name: str = "Trainium", cores: int = 2, version: int = 2, mib: int = 32768) -> dict:
+    """`NeuronInfo` of a Trainium shape: trn1's 2 NeuronCore-v2 and 32 GiB per device unless told otherwise."""
     return {
         "NeuronDevices": [
             {
                 "Count": devices,
-                "Name": "Trainium",
-                "CoreInfo": {"Count": 2, "Version": 2},
-                "MemoryInfo": {"SizeInMiB": 32768},
+                "Name": name,
+                "CoreInfo": {"Count": cores, "Version": version},
+                "MemoryInfo": {"SizeInMiB": mib},
             }
         ],
-        "TotalNeuronDeviceMemoryInMiB": 32768 * devices,
+        "TotalNeuronDeviceMemoryInMiB": mib * devices,
     }
 
 
@@ -480,6 +480,41 @@ INSTANCE_TYPES: dict[str, dict[str, Any]] = {
         "PlacementGroupInfo": {"SupportedStrategies": ["cluster", "partition", "spread"]},
     },
 }
+
+
+def _trn2_variant(base: str, name: str, *, vcpus: int, memory_gib: int, cards: int, performance: str) -> dict:
+    """A Trainium2 record from the trn1 record of the same shape: 16 (or 1) Trainium2 chips of 8 NeuronCore-v3
+    and 96 GiB, its vCPUs, memory and network cards; sold on demand and as Capacity Blocks."""
+    record = copy.deepcopy(INSTANCE_TYPES[base])
+    devices = record["NeuronInfo"]["NeuronDevices"][0]["Count"]
+    network = record["NetworkInfo"]
+    card = network["NetworkCards"][0]
+    record |= {
+        "InstanceType": name,
+        "SupportedUsageClasses": ["on-demand", "capacity-block"],
+        "VCpuInfo": {**record["VCpuInfo"], "DefaultVCpus": vcpus, "DefaultCores": vcpus // 2},
+        "MemoryInfo": {"SizeInMiB": memory_gib * 1024},
+        "NeuronInfo": _neuron_info(devices, name="Trainium2", cores=8, version=3, mib=96 * 1024),
+    }
+    if cards > 1:
+        bandwidth = float(performance.split()[0]) / cards
+        network |= {
+            "NetworkPerformance": performance,
+            "MaximumNetworkCards": cards,
+            "MaximumNetworkInterfaces": cards * card["MaximumNetworkInterfaces"],
+            "NetworkCards": _network_cards(cards, f"{bandwidth:g} Gigabit", 5, bandwidth, bandwidth),
+            "EfaInfo": {"MaximumEfaInterfaces": cards},
+        }
+    return record
+
+
+# trn2.48xlarge: EFAv3 over 16 cards (3,200 Gbps), 192 vCPUs, 2 TiB; trn2.3xlarge: one chip, 12 vCPUs, no EFA.
+INSTANCE_TYPES["trn2.48xlarge"] = _trn2_variant(
+    "trn1.32xlarge", "trn2.48xlarge", vcpus=192, memory_gib=2048, cards=16, performance="3200 Gigabit"
+)
+INSTANCE_TYPES["trn2.3xlarge"] = _trn2_variant(
+    "trn1.2xlarge", "trn2.3xlarge", vcpus=12, memory_gib=128, cards=1, performance="Up to 12.5 Gigabit"
+)
 
 
 # --------------------------------------------------------------------------------------------------

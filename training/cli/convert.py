@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from training.cli.common import Subcommands, add_command, options_from, print_summary
+from training.config.hardware import GENERATIONS
 from training.errors import UserError
 
 EXAMPLES = {
@@ -34,6 +35,12 @@ def add_arguments(commands: Subcommands, prog: str) -> None:
         help="KV head replication for nxd (default: smallest that fits)",
     )
     convert.add_argument("--fuse-qkv", action="store_true", help="nxd: one fused weight_qkv per layer")
+    convert.add_argument(
+        "--target",
+        choices=GENERATIONS,
+        help="nxd: the Trainium generation whose K/V replica layout to write (default: trn1); an nxd input's is "
+        "the one it records",
+    )
     convert.add_argument("--xser", action="store_true", help="write torch_xla xser files (one file per tensor)")
     convert.add_argument("--config", type=Path, help="config.json for checkpoints that lack one")
     convert.add_argument("--force", action="store_true", help="read a step_N checkpoint without its 'done' marker")

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from training.cli.common import Subcommands, add_command, add_recipe_arguments
-from training.config.hardware import DEFAULT_HARDWARE, HARDWARE
+from training.config.hardware import HARDWARE, TRAINING_HARDWARE
 
 EXAMPLES = {
     "train": "torchrun --nproc_per_node 32 -m training train --recipe llama31-8b-cpt --resume",
@@ -47,9 +47,10 @@ def add_arguments(commands: Subcommands, prog: str) -> None:
     add_recipe_arguments(plan, "nodes=8")
     plan.add_argument(
         "--instance-type",
-        default=DEFAULT_HARDWARE.name,
         choices=list(HARDWARE),
-        help=f"the training nodes (default: {DEFAULT_HARDWARE.name})",
+        help="the training nodes; default: each generation's side by side ("
+        + ", ".join(hardware.name for hardware in TRAINING_HARDWARE.values())
+        + "), the recipe's settings for that generation applied",
     )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -63,18 +64,17 @@ def run_train(arguments: argparse.Namespace) -> int:
 
 
 def run_plan(arguments: argparse.Namespace) -> int:
-    """Exit status 1 when the recipe does not fit the device."""
-    from training.config.recipe import load_recipe
-    from training.train.forecast import forecast_of
-    from training.train.memory import model_config, report
+    """Exit status 1 when the recipe does not fit the device (on either generation, when both are shown)."""
+    from training.train.plan_report import plan_generations
 
-    recipe = load_recipe(arguments.recipe, arguments.overrides)
-    hardware = HARDWARE[arguments.instance_type]
-    config = model_config(recipe)  # read once for the plan and the forecast
-    data, text = report(recipe, hardware, config)
-    forecast = forecast_of(recipe, hardware, config=config)
-    data["forecast"] = None if forecast is None else forecast.as_dict()
-    if forecast is not None:
-        text += "\n" + forecast.describe()
-    print(json.dumps(data, indent=2) if arguments.json else text)
-    return 0 if data["fits"] else 1
+    if arguments.instance_type is not None:
+        hardware = [HARDWARE[arguments.instance_type]]
+    else:
+        hardware = list(TRAINING_HARDWARE.values())
+    plans, text = plan_generations(arguments.recipe, arguments.overrides, hardware)
+    if arguments.json:
+        data = plans[0] if len(plans) == 1 else {"generations": {p["generation"]: p for p in plans}}
+        print(json.dumps(data, indent=2))
+    else:
+        print(text)
+    return 0 if all(p["fits"] for p in plans) else 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from training.config.hardware import CHIPS, DEFAULT_GENERATION, Generation
 from training.config.loading import not_allowed
 from training.errors import UserError
 
@@ -103,6 +104,11 @@ class Parallelism:
     pp: int = 1
     kv_multiplier: int = 1
     fuse_qkv: bool = False
+    generation: Generation = DEFAULT_GENERATION  # where NxD puts a KV head's replicas (training.config.hardware)
+
+    @property
+    def kv_replicas_adjacent(self) -> bool:
+        return CHIPS[self.generation].kv_replicas_adjacent
 
     def ranks(self) -> list[tuple[int, int]]:
         """(tp, pp) of every rank, pipeline stage major."""

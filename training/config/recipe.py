@@ -19,7 +19,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from pydantic_core import PydanticCustomError
 
 from training.config.backends import FACTS, Backend, flash_attention_fits
-from training.config.hardware import TRAINIUM1
+from training.config.hardware import CHIPS, DEFAULT_GENERATION, GENERATIONS, TRAINIUM1, Generation
 from training.config.loading import (
     ONE_LINE,
     Allowed,
@@ -57,13 +57,14 @@ SeqLen = Annotated[int, Strict(), Field(ge=2, le=MAX_SEQ_LEN), Allowed(f"2 to {M
 GlobalBatch = Annotated[int, Strict(), Field(ge=1, le=MAX_GLOBAL_BATCH), Allowed(f"1 to {MAX_GLOBAL_BATCH} sequences")]
 # numpy's legacy seeding (`np.random.seed`, which the training job calls) takes 32-bit unsigned seeds only.
 Seed = Annotated[int, Strict(), Field(ge=0, le=2**32 - 1), Allowed(f"0 to {2**32 - 1}")]
-# Flags the site owns: the compile cache is where the site keeps it (its `compile_cache`), for every recipe alike.
-SITE_COMPILER_FLAGS = ("--cache_dir",)
+# Flags the site owns: the compile cache is where the site keeps it (its `compile_cache`), for every recipe alike;
+# the target and the logical core size are the generation's and the instance type's (they must match the runtime's).
+SITE_COMPILER_FLAGS = ("--cache_dir", "--target", "--lnc", "--logical-nc-config")
 
 
 def _not_a_site_flag(flag: str) -> str:
     name = flag.partition("=")[0].lstrip("-").replace("-", "_")
-    if any(name == owned.lstrip("-") for owned in SITE_COMPILER_FLAGS):
+    if any(name == owned.lstrip("-").replace("-", "_") for owned in SITE_COMPILER_FLAGS):
         raise PydanticCustomError("site_compiler_flag", "a flag the site sets")
     return flag
 
@@ -77,7 +78,8 @@ CompilerFlag = Annotated[
     AfterValidator(_not_a_site_flag),
     Allowed(
         "one compiler flag starting with '-', its value joined with '=' (e.g. --model-type=transformer), without "
-        "whitespace, quotes or backslashes; not --cache_dir (the site's compile_cache sets it)"
+        "whitespace, quotes or backslashes; not --cache_dir, --target or --lnc (the site's compile_cache, the "
+        "generation and the instance type set them)"
     ),
 ]
 
@@ -373,6 +375,17 @@ class Recipe(StrictModel):
     throughput: ThroughputSection = ThroughputSection()
     schedule: ScheduleSection = ScheduleSection()
     backend: Backend = "neuron"
+    generation: Annotated[Generation, Allowed(", ".join(GENERATIONS))] = Field(
+        DEFAULT_GENERATION,
+        description="the Trainium generation the run is for: the K/V layout of its checkpoints, the compiler "
+        "target; `submit` sets it from the site's instance type",
+    )
+    generations: dict[Generation, dict[str, Any]] = Field(
+        default_factory=dict,
+        exclude=True,
+        description="settings per generation, applied over the rest when the recipe is loaded for that generation "
+        "(before command-line overrides), e.g. trn2: {nodes: 1, parallelism: {tp: 16}}",
+    )
     precision: Precision = Field(
         "bf16-mixed",
         description="bf16-mixed: bf16 weights, fp32 master weights and gradient accumulation (ZeRO-1); bf16-sr: "
@@ -381,8 +394,9 @@ class Recipe(StrictModel):
     seed: Seed = 42
     log_every: PositiveInt = 1
     peak_tflops_per_worker: PositiveFloat = Field(
-        TRAINIUM1.peak_bf16_tflops_per_core,
-        description="hardware peak per worker process for the MFU estimate (NeuronCore-v2: 95 bf16)",
+        TRAINIUM1.peak_bf16_tflops_per_logical_core,
+        description="hardware peak per worker process for the MFU estimate; default: the generation's logical "
+        "NeuronCore (trn1: 95 bf16 TFLOPS, trn2 at LNC 2: 166.75)",
     )
     nodes: PositiveInt = Field(1, description="nodes of the training (and compile) job")
     prepare: PrepareSection | None = Field(None, description="how the pipeline makes the data; omit if it exists")
@@ -407,16 +421,49 @@ def resolve_recipe_path(name_or_path: str) -> Path:
     )
 
 
-def load_recipe(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Recipe:
-    """The recipe with `section.key=value` overrides applied (values parsed as YAML), validated."""
+def load_recipe(
+    name_or_path: str, overrides: typing.Sequence[str] = (), generation: Generation | None = None
+) -> Recipe:
+    """The recipe for `generation` (default: its own `generation`, or an override's), its `generations` section
+    for that generation applied, then the `section.key=value` overrides (values parsed as YAML), validated."""
     path = resolve_recipe_path(name_or_path)
     label = str(path)
     raw = read_mapping(path, label)
-    for override in overrides:
+    for override in overrides:  # first for what they say of the generation and its sections
+        apply_override(raw, override, label)
+    sections = generation_sections(raw, label)
+    chosen = generation or raw.get("generation", DEFAULT_GENERATION)
+    if chosen in sections:
+        merge_into(raw, sections[chosen])
+    if chosen in GENERATIONS and "peak_tflops_per_worker" not in raw:
+        raw["peak_tflops_per_worker"] = CHIPS[chosen].peak_bf16_tflops_per_logical_core
+    raw["generation"] = chosen
+    for override in overrides:  # then again, over the generation's section
         apply_override(raw, override, label)
     recipe = build(Recipe, raw, label)
     check(label, validate, recipe)
     return recipe
+
+
+def generation_sections(raw: dict[str, Any], label: str) -> dict[str, dict[str, Any]]:
+    """The recipe's `generations` section, taken out of it (the loaded recipe holds the chosen one applied)."""
+    sections = raw.pop("generations", None) or {}
+    if not isinstance(sections, dict):
+        raise ConfigError([f"{label}: {not_allowed('generations', sections, 'a mapping of generation to settings')}"])
+    for name, section in sections.items():
+        if name not in GENERATIONS or not isinstance(section, dict):
+            allowed = f"a mapping of {' or '.join(GENERATIONS)} to settings"
+            raise ConfigError([f"{label}: {not_allowed(f'generations.{name}', section, allowed)}"])
+    return sections
+
+
+def merge_into(raw: dict[str, Any], section: dict[str, Any]) -> None:
+    """`section`'s keys over `raw`'s, mappings merged key by key."""
+    for key, value in section.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            merge_into(raw[key], value)
+        else:
+            raw[key] = value
 
 
 def apply_override(raw: dict[str, Any], override: str, label: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import hashlib
 import os
 import threading
@@ -22,13 +23,14 @@ from typing import Any, Literal
 
 import torch
 
+from training.config.hardware import DEFAULT_GENERATION, Generation
 from training.config.loading import not_allowed
 from training.config.model import Parallelism, check_parallelism, default_kv_multiplier
 from training.errors import UserError
 from training.formats.hf import HfSource, HfTarget, Source, copy_companions
 from training.formats.layouts import Rule, all_rules
 from training.formats.lazy import nbytes, release_mappings
-from training.formats.sharded import ShardedSource, ShardedTarget
+from training.formats.sharded import GENERATION_KEY, ShardedSource, ShardedTarget
 from training.logs import Progress
 from training.outputs import atomic_directory, files_fingerprint, reusable, write_manifest
 
@@ -47,6 +49,7 @@ class ConvertOptions:
     pp: int = 1
     kv_multiplier: int | None = None
     fuse_qkv: bool = False
+    target: Generation | None = None  # the nxd side's Trainium generation (its K/V layout); default trn1
     xser: bool = False
     config: Path | None = None
     force: bool = False
@@ -82,7 +85,7 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
         raise UserError(f"--from and --to are both {options.source_format}; nothing to convert")
     if "hf" not in (options.source_format, options.target_format):
         raise UserError("one side must be hf (convert nxd <-> nemo through hf)")
-    source = open_source(options.source_format, options.input, options.config, force=options.force)
+    source = open_source(options.source_format, options.input, options.config, options)
     parallelism = target_parallelism(options, source)
     check_parallelism(source.spec, parallelism, _layout(options, source))
     groups = all_rules(source.spec, parallelism, _layout(options, source))
@@ -120,7 +123,7 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
         progress.close()
         target.close()
         companions = copy_companions(source.directory, source.config_path, output)
-        verified = verify(options.target_format, output, checksums, options.config) if options.verify else None
+        verified = verify(options.target_format, output, checksums, options) if options.verify else None
         manifest = {
             "kind": "convert",
             "fingerprint": fingerprint,
@@ -134,6 +137,7 @@ def convert(options: ConvertOptions) -> dict[str, Any]:
                 "kv_size_multiplier": parallelism.kv_multiplier,
                 "fuse_qkv": parallelism.fuse_qkv,
             },
+            GENERATION_KEY: parallelism.generation if options.target_format == "nxd" else None,
             "xser": options.xser,
             "tensors": len(plan),
             "bytes": sum(nbytes(dtype, shape) for _, dtype, shape in plan),
@@ -158,24 +162,25 @@ def return_freed_memory_to_the_system() -> None:
         pass
 
 
-def open_source(fmt: CheckpointFormat, directory: Path, config: Path | None, *, force: bool) -> Source:
+def open_source(fmt: CheckpointFormat, directory: Path, config: Path | None, options: ConvertOptions) -> Source:
     if not directory.exists():
         raise UserError(f"--input {directory}: no such directory")
     if fmt == "hf":
         return HfSource(directory, config)
-    return ShardedSource(fmt, directory, config, force=force)
+    return ShardedSource(fmt, directory, config, force=options.force, generation=options.target)
 
 
 def target_parallelism(options: ConvertOptions, source: Source) -> Parallelism:
     """The layout to write (to nxd/nemo), or the one read (from nxd/nemo)."""
     if isinstance(source, ShardedSource):
-        return source.parallelism
+        return source.parallelism  # its generation: the one it records, else --target's
     if options.tp is None:
         raise UserError(f"--tp is required when converting to {options.target_format}")
     multiplier = 1
     if options.target_format == "nxd":
         multiplier = options.kv_multiplier or default_kv_multiplier(source.spec, options.tp)
-    return Parallelism(tp=options.tp, pp=options.pp, kv_multiplier=multiplier, fuse_qkv=options.fuse_qkv)
+    generation = options.target or DEFAULT_GENERATION
+    return Parallelism(options.tp, options.pp, multiplier, options.fuse_qkv, generation)
 
 
 def write_hf(
@@ -266,9 +271,10 @@ def write_hf_rule(rule: Rule, source: Source, target: HfTarget, hf_names: set[st
     return {name: tensor_sha256(t) for name, t in tensors.items()} if verify else {}
 
 
-def verify(fmt: CheckpointFormat, output: Path, checksums: dict[str, str], config: Path | None) -> int:
-    """Read the output back as a source and compare every Hugging Face tensor with the input's checksum."""
-    written = open_source(fmt, output, config, force=True)
+def verify(fmt: CheckpointFormat, output: Path, checksums: dict[str, str], options: ConvertOptions) -> int:
+    """Read the output back as a source and compare every Hugging Face tensor with the input's checksum (before
+    the manifest that records an nxd output's generation is written: the options tell it)."""
+    written = open_source(fmt, output, options.config, dataclasses.replace(options, force=True))
     plan = {name: (dtype, shape) for name, dtype, shape in written.plan()}
     groups: Sequence[Sequence[Rule]] = (
         written.groups if isinstance(written, ShardedSource) else all_rules(written.spec, Parallelism(), "nxd")

@@ -169,10 +169,11 @@ def replicated_targets(spec: ModelSpec, parallelism: Parallelism, layout: Format
 def query_head_order(spec: ModelSpec, parallelism: Parallelism) -> list[list[int]]:
     """Query heads held by each TP rank in neuronx-distributed's GQA layout.
 
-    K/V are repeated `m` times and cut evenly, so rank r holds the replicas at tiled positions
-    [r*c, (r+1)*c) (c = kv*m/tp), position p being KV head p % kv, replica p // kv. The query heads of KV
-    head j are split into m equal parts; replica k of head j takes part k. For Llama 3 8B at TP 32
-    (m = 4) rank r holds query head 4*(r % 8) + r // 8.
+    K/V are repeated `m` times and cut evenly, so rank r holds the replicas at positions [r*c, (r+1)*c)
+    (c = kv*m/tp). On trn1 the replicas are tiled: position p is KV head p % kv, replica p // kv; on trn2 they are
+    adjacent: position p is KV head p // m, replica p % m. The query heads of KV head j are split into m equal
+    parts; replica k of head j takes part k. For Llama 3 8B at TP 32 on trn1 (m = 4) rank r holds query head
+    4*(r % 8) + r // 8; on trn2 every rank holds its own block of query heads in order.
     """
     kv, m, tp = spec.num_kv_heads, parallelism.kv_multiplier, parallelism.tp
     group = spec.num_heads // kv
@@ -182,10 +183,15 @@ def query_head_order(spec: ModelSpec, parallelism: Parallelism) -> list[list[int
     for rank in range(tp):
         heads: list[int] = []
         for position in range(rank * per_rank, (rank + 1) * per_rank):
-            head, replica = position % kv, position // kv
+            head, replica = kv_position(position, kv, m, parallelism.kv_replicas_adjacent)
             heads += range(head * group + replica * part, head * group + (replica + 1) * part)
         order.append(heads)
     return order
+
+
+def kv_position(position: int, kv: int, m: int, adjacent: bool) -> tuple[int, int]:
+    """(KV head, replica) at `position` of the K/V weight repeated `m` times (module docstring of query_head_order)."""
+    return (position // m, position % m) if adjacent else (position % kv, position // kv)
 
 
 def _head_rows(tensor: torch.Tensor, heads: Sequence[int], head_dim: int) -> torch.Tensor:
@@ -230,19 +236,20 @@ def _inverse_order(order: list[list[int]], head_dim: int) -> torch.Tensor:
 
 
 def nxd_key_value(spec: ModelSpec, parallelism: Parallelism) -> tuple[Split, Merge]:
-    """Repeat `m` times, cut evenly; merge keeps the first of the `m` identical copies."""
-    tp, m, d = parallelism.tp, parallelism.kv_multiplier, spec.head_dim
-    rows = spec.num_kv_heads * d
-    per_rank = spec.num_kv_heads * m // tp
+    """Repeat `m` times (tiled on trn1, adjacent on trn2), cut evenly; merge keeps replica 0 of every head."""
+    tp, m, d, kv = parallelism.tp, parallelism.kv_multiplier, spec.head_dim, spec.num_kv_heads
+    per_rank = kv * m // tp
     if m == 1:
         return chunk(0, tp)  # rank r holds KV heads [r * per_rank, (r + 1) * per_rank)
+    adjacent = parallelism.kv_replicas_adjacent
 
     def split(sources: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
-        # Tiled position p of the repeated weight is KV head p % kv.
-        heads = [p % spec.num_kv_heads for p in range(rank * per_rank, (rank + 1) * per_rank)]
-        return _head_rows(sources[0], heads, d)
+        positions = range(rank * per_rank, (rank + 1) * per_rank)
+        return _head_rows(sources[0], [kv_position(p, kv, m, adjacent)[0] for p in positions], d)
 
-    return split, lambda shards: [torch.cat(list(shards), dim=0)[:rows]]
+    # Replica 0 of head j sits at position j (tiled) or j*m (adjacent) of the repeated weight.
+    first_replicas = [j * m if adjacent else j for j in range(kv)]
+    return split, lambda shards: [_head_rows(torch.cat(list(shards), dim=0), first_replicas, d)]
 
 
 def fused(parts: Sequence[tuple[Split, Merge]], sizes: Sequence[int], dim: int) -> tuple[Split, Merge]:

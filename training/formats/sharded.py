@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import torch
 
+from training.config.hardware import DEFAULT_GENERATION, GENERATIONS, Generation
 from training.config.model import Format, ModelSpec, Parallelism, check_parallelism
 from training.errors import UserError
 from training.formats.hf import hf_names_in_order, read_config, state_dict_in
@@ -26,10 +27,33 @@ from training.formats.lazy import CheckpointError, FileRange, LazyTensor, lazy_t
 from training.formats.torch_reader import open_checkpoint_file
 from training.formats.torch_writer import TorchFileWriter, XserWriter
 
+# Where an NxD checkpoint records the Trainium generation its K/V layout is for: the converter's manifest, or the
+# training checkpoint's user_content.pt (beside step and data position). Neither: an older trn1 checkpoint.
+GENERATION_KEY = "generation"
+USER_CONTENT = "user_content.pt"
 NEMO_CHECKPOINT_META = {"pytorch-lightning_version": "1.9.5", "epoch": 0, "global_step": 0}
 NXD_FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 NEMO_DIR = re.compile(r"^(?:tp_rank_(\d+)_pp_rank_(\d+)|mp_rank_(\d+))$")
 STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def recorded_generation(directory: Path) -> Generation | None:
+    """The generation an NxD checkpoint directory records (the module's GENERATION_KEY note); None if none."""
+    recorded: Any = None
+    manifest = directory / "manifest.json"
+    if manifest.is_file():
+        import json
+
+        try:
+            recorded = json.loads(manifest.read_text()).get(GENERATION_KEY)
+        except (json.JSONDecodeError, AttributeError) as error:
+            raise UserError(f"{manifest}: not a JSON object ({error}); allowed: the converter's manifest") from None
+    elif (directory / USER_CONTENT).is_file():
+        content = open_checkpoint_file(directory / USER_CONTENT)
+        recorded = content.get(GENERATION_KEY) if isinstance(content, dict) else None
+    if recorded is not None and recorded not in GENERATIONS:
+        raise UserError(f"{directory}: records generation {recorded!r}; allowed: {', '.join(GENERATIONS)}")
+    return cast("Generation | None", recorded)
 
 
 def nxd_rank_file(directory: Path, tp: int, pp: int) -> Path:
@@ -68,11 +92,21 @@ class ShardedSource:
     """An NxD or NeMo checkpoint; degrees and QKV options are inferred from the files."""
 
     def __init__(
-        self, layout: Format, directory: Path, config_override: Path | None, *, force: bool, check_shapes: bool = True
+        self,
+        layout: Format,
+        directory: Path,
+        config_override: Path | None,
+        *,
+        force: bool,
+        check_shapes: bool = True,
+        generation: Generation | None = None,
     ) -> None:
         """`check_shapes=False` is for a reader that checks every tensor's shape itself (the training loader):
-        the check works the shapes out on meta tensors, whose first use imports parts of torch (seconds)."""
+        the check works the shapes out on meta tensors, whose first use imports parts of torch (seconds).
+        `generation`: what an NxD checkpoint that records none was written for (default trn1); one that records
+        its generation is refused another."""
         self.layout = layout
+        self.generation = generation
         self.directory = resolve_nxd_directory(directory, force=force) if layout == "nxd" else directory
         if layout == "nemo" and not directory.is_dir():
             raise UserError(f"{directory}: no such directory")
@@ -166,8 +200,15 @@ class ShardedSource:
             kv_rows = (first[f"{prefix}weight_k"].shape or (0,))[0]  # a 0-d tensor: refused by the shape check
         else:
             raise UserError(f"{files[(0, 0)]}: no {prefix}weight_k or weight_qkv; not an NxD Llama/Mixtral checkpoint")
-        multiplier = kv_rows * tp // (self.spec.num_kv_heads * self.spec.head_dim)
-        return Parallelism(tp=tp, pp=pp, kv_multiplier=max(multiplier, 1), fuse_qkv=fuse)
+        multiplier = max(kv_rows * tp // (self.spec.num_kv_heads * self.spec.head_dim), 1)
+        recorded = recorded_generation(self.directory)
+        if recorded is not None and self.generation not in (None, recorded) and multiplier > 1:
+            raise UserError(
+                f"--target {self.generation}: {self.directory} was written for {recorded} (its K/V replicas are "
+                f"laid out for it); convert it to hf, then to nxd with --target {self.generation}"
+            )
+        generation = recorded or self.generation or DEFAULT_GENERATION
+        return Parallelism(tp=tp, pp=pp, kv_multiplier=multiplier, fuse_qkv=fuse, generation=generation)
 
     def _shards(self, rule: Rule) -> list[LazyTensor]:
         shards = []

@@ -1,8 +1,9 @@
 """`make demo`: both recipes' tiny variants end to end on a real Slurm on this machine, no AWS account.
 
 Starts the project's local Slurm, makes a tiny random Llama and Mixtral with a self-trained tokenizer, a
-small corpus and a chat set (nothing is downloaded), submits both pipelines with the same job templates the
-cluster uses, waits, prints a summary and stops the daemons it started.
+small corpus and a chat set (nothing is downloaded), submits both pipelines (and the Llama one again in
+Trainium2's K/V layout) with the same job templates the cluster uses, waits, prints a summary and stops the
+daemons it started.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from training.pipeline.submit import submit, wait
 
 log = logging.getLogger(__name__)
 RECIPES = {"tiny-llama-cpt": ("llama", "work/tiny-llama"), "tiny-mixtral-sft": ("mixtral", "work/tiny-mixtral")}
+# The runs: each tiny recipe, and the Llama one again in Trainium2's K/V layout (its `generations.trn2` section).
+RUNS = (("tiny-llama-cpt", ()), ("tiny-mixtral-sft", ()), ("tiny-llama-cpt", ("generation=trn2",)))
 
 
 def summarize(run_dir: Path, results: Path, seconds: float) -> bool:
@@ -56,8 +59,14 @@ def summarize(run_dir: Path, results: Path, seconds: float) -> bool:
     return completed
 
 
+def run_id(recipe: str, overrides: tuple[str, ...], stamp: str) -> str:
+    """`tiny-llama-cpt-20261206-101500`, with the generation when an override names one (`...-trn2-...`)."""
+    generations = [o.partition("=")[2] for o in overrides if o.startswith("generation=")]
+    return "-".join([recipe, *generations, stamp])
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 every stage of both runs completed, 1 a run failed, 2 user error (argparse's own included)."""
+    """Exit status: 0 every stage of every run completed, 1 a run failed, 2 user error (argparse's own included)."""
     parser = ArgumentParser(prog="python -m training.local.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=3, help="local Slurm nodes (default 3)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for the runs")
@@ -67,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(nodes: int, timeout: float, keep_slurm: bool) -> int:
-    """Both runs on a local Slurm of `nodes` nodes, each given `timeout` seconds."""
+    """The runs on a local Slurm of `nodes` nodes, each given `timeout` seconds."""
     from training.local.slurm import start
 
     setup_logging()
@@ -81,8 +90,8 @@ def run(nodes: int, timeout: float, keep_slurm: bool) -> int:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         started = time.monotonic()
         run_dirs = [
-            Path(submit(recipe, [], run_id=f"{recipe}-{stamp}", site=site, dry_run=False)["run_dir"])
-            for recipe in RECIPES
+            Path(submit(recipe, list(extra), run_id=run_id(recipe, extra, stamp), site=site, dry_run=False)["run_dir"])
+            for recipe, extra in RUNS
         ]
         ok = True
         for run_dir in run_dirs:
@@ -91,7 +100,7 @@ def run(nodes: int, timeout: float, keep_slurm: bool) -> int:
     finally:
         if not keep_slurm:
             slurm.stop()
-    print("\ndemo " + ("passed: every stage of both runs COMPLETED" if ok else "FAILED (see above)"))
+    print("\ndemo " + ("passed: every stage of every run COMPLETED" if ok else "FAILED (see above)"))
     return 0 if ok else 1
 
 

@@ -80,9 +80,10 @@ def sample_conversations(count: int, seed: int = 0) -> list[list[dict[str, str]]
 
 
 def tiny_model(
-    directory: Path, tokenizer: Path, *, architecture: str = "llama", layers: int = 2, seed: int = 0
+    directory: Path, tokenizer: Path, *, architecture: str = "llama", layers: int = 2, kv_heads: int = 2, seed: int = 0
 ) -> Path:
-    """A random Hugging Face model sized for CPU tests, its vocabulary the tokenizer's, saved with it."""
+    """A random Hugging Face model sized for CPU tests, its vocabulary the tokenizer's, saved with it (8 query
+    heads sharing `kv_heads` KV heads)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
@@ -93,7 +94,7 @@ def tiny_model(
         "intermediate_size": 96,
         "num_hidden_layers": layers,
         "num_attention_heads": 8,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": kv_heads,
         "max_position_embeddings": 256,
         "bos_token_id": loaded.bos_token_id,
         "eos_token_id": loaded.eos_token_id,

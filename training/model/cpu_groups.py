@@ -17,6 +17,7 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 from torch.distributed import ProcessGroup
 from torch.distributed.rendezvous import rendezvous as env_rendezvous
 
+from training.config.hardware import CHIPS, DEFAULT_GENERATION, Generation
 from training.errors import UserError
 
 
@@ -28,6 +29,7 @@ class _State:
     dp_group: ProcessGroup
     pp_group: ProcessGroup
     owns_world: bool
+    kv_replicas_adjacent: bool = False  # where NxD puts a KV head's replicas on this generation
     kv_groups: dict[int, ProcessGroup] = field(default_factory=dict)
 
 
@@ -58,10 +60,11 @@ def start_gloo_world() -> None:
         dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
 
 
-def initialize(tp: int, pp: int, options: Mapping[str, Any]) -> None:
+def initialize(tp: int, pp: int, options: Mapping[str, Any], generation: Generation = DEFAULT_GENERATION) -> None:
     """gloo over env:// under torchrun (RANK, WORLD_SIZE, MASTER_ADDR), else a one-process world.
 
-    `options` configure neuronx-distributed's trainer; nothing here uses them."""
+    `options` configure neuronx-distributed's trainer; nothing here uses them. `generation` places the ranks
+    that share a KV head (`kv_shared_group`)."""
     global _state
     owns_world = not dist.is_initialized()
     if owns_world:
@@ -82,7 +85,8 @@ def initialize(tp: int, pp: int, options: Mapping[str, Any]) -> None:
     tp_group = _own_group([[at(p, d, t) for t in range(tp)] for p, d, t in grid if t == 0])
     dp_group = _own_group([[at(p, d, t) for d in range(dp)] for p, d, t in grid if d == 0])
     pp_group = _own_group([[at(p, d, t) for p in range(pp)] for p, d, t in grid if p == 0])
-    _state = _State(tp=tp, pp=pp, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, owns_world=owns_world)
+    adjacent = CHIPS[generation].kv_replicas_adjacent
+    _state = _State(tp, pp, tp_group, dp_group, pp_group, owns_world, kv_replicas_adjacent=adjacent)
 
 
 def _own_group(partition: list[list[int]]) -> ProcessGroup:
@@ -149,18 +153,25 @@ def pp_group() -> ProcessGroup:
     return _get().pp_group
 
 
-def kv_shared_group(multiplier: int) -> ProcessGroup:
-    """The TP ranks holding the same KV heads when K/V are repeated `multiplier` times: r, r + tp/m, ...
+def kv_shared_groups(tp: int, world: int, multiplier: int, adjacent: bool) -> list[list[int]]:
+    """The TP ranks holding the same KV head when K/V are repeated `multiplier` times, as NxD's
+    `arrange_kv_groups` builds them: r, r + tp/m, ... where the replicas are tiled (trn1); m consecutive ranks
+    where they are adjacent (trn2)."""
+    heads = tp // multiplier
+    if adjacent:
+        return [
+            [start + h * multiplier + i for i in range(multiplier)]
+            for start in range(0, world, tp)
+            for h in range(heads)
+        ]
+    return [[start + h + i * heads for i in range(multiplier)] for start in range(0, world, tp) for h in range(heads)]
 
-    Created on first use; every rank builds the same layers in the same order, so creation stays collective.
-    """
+
+def kv_shared_group(multiplier: int) -> ProcessGroup:
+    """This rank's group of `kv_shared_groups`; created on first use (every rank builds the same layers in the
+    same order, so creation stays collective)."""
     state = _get()
     if multiplier not in state.kv_groups:
-        stride, world = state.tp // multiplier, dist.get_world_size()
-        groups = [
-            [start + offset + i * stride for i in range(multiplier)]
-            for start in range(0, world, state.tp)
-            for offset in range(stride)
-        ]
+        groups = kv_shared_groups(state.tp, dist.get_world_size(), multiplier, state.kv_replicas_adjacent)
         state.kv_groups[multiplier] = _own_group(groups)
     return state.kv_groups[multiplier]

@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.config.hardware import DEFAULT_GENERATION, Generation
+from training.config.loading import not_allowed
+from training.errors import UserError
 from training.model import cpu_groups
 from training.model.parallel import NXD_UTILS, PARALLEL_STATE, PARALLEL_UTILS, QKV_LINEAR, TRAINER
 
@@ -28,11 +31,13 @@ _owns_world = False
 _config: dict[str, Any] | None = None
 
 
-def initialize(tp: int, pp: int, options: Mapping[str, Any]) -> None:
+def initialize(tp: int, pp: int, options: Mapping[str, Any], generation: Generation = DEFAULT_GENERATION) -> None:
     """`init_process_group` (torchrun's env; "xla", or gloo in NxD's CPU mode), then neuronx-distributed's
     trainer configuration, whose creation initializes the model-parallel groups (TP = consecutive ranks, DP
-    = the rest): once."""
+    = the rest): once. NxD lays out the K/V replicas for the host's generation, so a model laid out for another
+    is refused here, in one line."""
     global _owns_world, _config
+    check_generation(generation)
     if not dist.is_initialized():
         if cpu_mode():
             cpu_groups.start_gloo_world()
@@ -42,6 +47,21 @@ def initialize(tp: int, pp: int, options: Mapping[str, Any]) -> None:
         _owns_world = True
     trainer = importlib.import_module(TRAINER)
     _config = trainer.neuronx_distributed_config(tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
+
+
+def check_generation(generation: Generation) -> None:
+    """Refuse, in one line, a model laid out for another generation than this host's: NxD lays the K/V replicas
+    out for the host (`get_platform_target()`, or NEURON_PLATFORM_TARGET_OVERRIDE)."""
+    host = platform_target()
+    if host != generation:
+        raise UserError(
+            not_allowed(
+                "generation",
+                generation,
+                f"{host}, this host's Trainium generation (neuronx-distributed lays the K/V replicas out for it; "
+                "a checkpoint moves to another generation through hf: `convert --to nxd --target`)",
+            )
+        )
 
 
 def platform_target() -> str:

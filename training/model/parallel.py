@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from training.config.backends import BACKENDS, Backend
+from training.config.hardware import DEFAULT_GENERATION, Generation
 from training.config.model import IGNORE_INDEX
 from training.errors import UserError
 
@@ -126,7 +127,7 @@ def neuron(
 class ParallelBackend(Protocol):
     """What a backend module provides; `training.model.cpu_backend` and `training.model.neuron_backend` conform."""
 
-    def initialize(self, tp: int, pp: int, options: Mapping[str, Any]) -> None: ...
+    def initialize(self, tp: int, pp: int, options: Mapping[str, Any], generation: Generation) -> None: ...
     def destroy(self) -> None: ...
     def resolve(self, declaration: Declaration) -> Callable[..., Any]:
         """The implementation of a declared name (a class or a function), called as `Declaration.call` says."""
@@ -139,6 +140,7 @@ class ParallelBackend(Protocol):
 
 _active: ParallelBackend | None = None
 _active_name: Backend | None = None
+_active_generation: Generation = DEFAULT_GENERATION
 
 
 def _load(backend: Backend) -> ParallelBackend:
@@ -153,34 +155,46 @@ def _load(backend: Backend) -> ParallelBackend:
 
 
 def initialize(
-    tp: int = 1, backend: Backend = "cpu", neuron_options: Mapping[str, Any] | None = None, pp: int = 1
+    tp: int = 1,
+    backend: Backend = "cpu",
+    neuron_options: Mapping[str, Any] | None = None,
+    pp: int = 1,
+    generation: Generation = DEFAULT_GENERATION,
 ) -> None:
     """Start torch.distributed if needed (env:// under torchrun, a one-process world otherwise) and the groups
     (the world is [PP, DP, TP] row-major).
 
     `neuron_options`: keyword arguments of neuronx-distributed's `neuronx_distributed_config` besides the TP
     degree (optimizer and mixed-precision settings); that call creates the model-parallel groups, once.
+    `generation`: the Trainium generation the model's K/V replicas are laid out for; the cpu backend groups the
+    ranks sharing a KV head as NxD does on it, the neuron backend refuses a host of another generation.
     """
-    global _active, _active_name
+    global _active, _active_name, _active_generation
     if backend not in BACKENDS:
         raise UserError(f"parallel backend {backend!r} is not supported; allowed: {', '.join(BACKENDS)}")
     if _active is not None:
         raise RuntimeError(f"the {_active_name} parallel backend is already initialized; call destroy() first")
     implementation = _load(backend)
-    implementation.initialize(tp, pp, dict(neuron_options or {}))
-    _active, _active_name = implementation, backend
+    implementation.initialize(tp, pp, dict(neuron_options or {}), generation)
+    _active, _active_name, _active_generation = implementation, backend, generation
 
 
 def destroy() -> None:
     """Tear down the groups (and the process group if `initialize` created it); safe to call twice."""
-    global _active, _active_name
+    global _active, _active_name, _active_generation
     if _active is not None:
         _active.destroy()
-    _active, _active_name = None, None
+    _active, _active_name, _active_generation = None, None, DEFAULT_GENERATION
 
 
 def is_initialized() -> bool:
     return _active is not None
+
+
+def generation() -> Generation:
+    """The Trainium generation the initialized world lays K/V replicas out for (`initialize`)."""
+    _backend()
+    return _active_generation
 
 
 def backend() -> Backend:

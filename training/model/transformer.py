@@ -657,7 +657,7 @@ def build_model(
     model_config = dataclasses.replace(config, dtype=NAMES[parameters])
     spec, tp, pp = model_config.spec, parallel.tp_size(), parallel.pp_size()
     multiplier = kv_multiplier or default_kv_multiplier(spec, tp)
-    parallelism = Parallelism(tp=tp, pp=pp, kv_multiplier=multiplier, fuse_qkv=fuse_qkv)
+    parallelism = Parallelism(tp, pp, multiplier, fuse_qkv, generation=parallel.generation())
     check_parallelism(spec, parallelism, "nxd")
     if pp > 1 and spec.tie_word_embeddings:
         raise UserError(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from training import outputs
 from training.config.backends import FACTS
-from training.config.hardware import DEFAULT_HARDWARE, HARDWARE, Hardware
+from training.config.hardware import DEFAULT_HARDWARE, HARDWARE, Generation, Hardware
 from training.config.loading import not_allowed
 from training.config.model import ModelConfig
 from training.config.recipe import PrepareSection, Recipe
@@ -83,11 +83,26 @@ def site_hardware(site: Site) -> Hardware | None:
     return HARDWARE[site.instance_type]
 
 
+def site_generation(site: Site) -> Generation | None:
+    """The Trainium generation of the site's instance type; None for a site that names none."""
+    hardware = site_hardware(site)
+    return None if hardware is None else hardware.generation
+
+
 def check_launch(recipe: Recipe, site: Site) -> None:
     """Refuse, in one line, a site whose processes per node cannot run the recipe (what the training job would
     refuse at start-up, after its nodes were paid for)."""
     per_node = processes_per_node(recipe, site)
     hardware = site_hardware(site)
+    if hardware is not None and recipe.generation != hardware.generation:
+        raise UserError(
+            not_allowed(
+                "generation",
+                recipe.generation,
+                f"{hardware.generation}, the generation of the site's {hardware.name} (or omit it: submit takes it "
+                "from the site)",
+            )
+        )
     if hardware is not None and site.neuron and per_node > hardware.cores_per_node:
         raise UserError(
             f"site processes_per_node {per_node} is more than the {hardware.cores_per_node} NeuronCores of "

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from training.config.hardware import CHIPS, Hardware
 from training.config.precision import NEURON_ENVIRONMENT
+from training.config.recipe import Recipe
 from training.config.site import Site
 from training.config.tracking import tracking_environment
 from training.pipeline import timeline
@@ -88,6 +90,16 @@ def prepare_command(plan: RunPlan, stage: Stage) -> str:
     return COMMAND_BREAK.join(arguments)
 
 
+def logical_core_size(recipe: Recipe, hardware: Hardware | None) -> int:
+    """LNC: the instance type's, else the recipe generation's default (NEURON_LOGICAL_NC_CONFIG, `--lnc`)."""
+    return hardware.logical_core_size if hardware is not None else CHIPS[recipe.generation].default_lnc
+
+
+def compiler_target_flags(recipe: Recipe, hardware: Hardware | None) -> tuple[str, ...]:
+    """neuronx-cc's target and logical core size, which must match the runtime's (NCC_EARG001 otherwise)."""
+    return (f"--target={recipe.generation}", f"--lnc={logical_core_size(recipe, hardware)}")
+
+
 def convert_in_command(plan: RunPlan, stage: Stage) -> str:
     q, resolved = shell_word, plan.resolved
     parallelism = resolved.parallelism
@@ -103,6 +115,7 @@ def convert_in_command(plan: RunPlan, stage: Stage) -> str:
         arguments.append(f"--kv-size-multiplier {int(parallelism.kv_size_multiplier)}")
     if parallelism.fuse_qkv:
         arguments.append("--fuse-qkv")
+    arguments.append(f"--target {q(resolved.generation)}")  # the K/V replica layout of the run's generation
     if resolved.checkpoint.xser:
         arguments.append("--xser")
     return COMMAND_BREAK.join(arguments)
@@ -222,8 +235,16 @@ def render(plan: RunPlan) -> dict[str, str]:
             "metrics_namespace": site.metrics_namespace,
             # MLflow and W&B settings (no secret among them): the train stage reports to them.
             "tracking": tracking_environment(site.tracking) if stage.name == "train" else None,
-            # The recipe's Neuron settings; the compile cache is the site's, always the last flag.
-            "neuron_cc_flags": " ".join((*recipe.neuron.compiler_flags, f"--cache_dir={site.compile_cache}")),
+            # The generation's target and logical core size, the recipe's Neuron settings; the compile cache is
+            # the site's, always the last flag.
+            "neuron_cc_flags": " ".join(
+                (
+                    *compiler_target_flags(recipe, hardware),
+                    *recipe.neuron.compiler_flags,
+                    f"--cache_dir={site.compile_cache}",
+                )
+            ),
+            "logical_nc_config": logical_core_size(recipe, hardware),
             "inflight_requests": recipe.neuron.inflight_requests,
             "cpus_per_task": hardware.vcpus if stage.distributed and hardware is not None else None,
             "python": python,

@@ -21,7 +21,15 @@ from training import outputs
 from training.config.recipe import load_recipe, recipe_as_dict
 from training.config.site import Site
 from training.errors import UserError
-from training.pipeline.plan import STAGES, Stage, check_budget, check_launch, check_memory, plan_run
+from training.pipeline.plan import (
+    STAGES,
+    Stage,
+    check_budget,
+    check_launch,
+    check_memory,
+    plan_run,
+    site_generation,
+)
 from training.pipeline.run_record import read_run, run_slurm_bin, write_run
 from training.pipeline.scripts import render
 from training.pipeline.slurm_client import ACTIVE_STATES, job_info, slurm_output
@@ -29,7 +37,7 @@ from training.pipeline.status import stage_states
 
 
 def submit(recipe_file: str, overrides: list[str], *, run_id: str | None, site: Site, dry_run: bool) -> dict[str, Any]:
-    recipe = load_recipe(recipe_file, overrides)
+    recipe = load_recipe(recipe_file, overrides, generation=site_generation(site))
     check_launch(recipe, site)
     plan = plan_run(recipe, site, run_id)
     check_memory(plan)

@@ -140,6 +140,11 @@ def load_pretrained(directory: Path, config_path: Path, model: CausalLM) -> None
         raise UserError(f"model.pretrained {directory}: {error}") from None
     wanted, found = model.parallelism, source.parallelism
     describe = "tp {0.tp}, pp {0.pp}, kv_size_multiplier {0.kv_multiplier}, fuse_qkv {0.fuse_qkv}".format
+    if found.kv_multiplier > 1 and found.generation != wanted.generation:  # the replicas sit elsewhere
+        raise UserError(
+            f"model.pretrained {directory}: its K/V replicas are laid out for {found.generation}; the run is for "
+            f"{wanted.generation}: convert again with --target {wanted.generation}"
+        )
     if (found.tp, found.pp, found.kv_multiplier, found.fuse_qkv) != (
         wanted.tp,
         wanted.pp,

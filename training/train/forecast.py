@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config.backends import FACTS
-from training.config.hardware import Hardware
+from training.config.hardware import TRAINIUM1, Hardware
 from training.config.model import ModelConfig, flops_per_token
 from training.config.recipe import Recipe
 from training.train.memory import KNOWN_MODELS_DIR, model_config, read_model_config
@@ -30,7 +30,8 @@ from training.train.memory import KNOWN_MODELS_DIR, model_config, read_model_con
 # Neuron's performance table (trn1.32xlarge, 32 nodes, TP 32, ZeRO-1, global batch 1024, sequence 8192).
 PUBLISHED_MODEL = "Llama-3.1-8B"  # model.config's directory name
 PUBLISHED_SEQ_LEN = 8192
-PUBLISHED_CORES_PER_NODE = 32  # trn1.32xlarge's NeuronCores; other types scale per NeuronCore
+PUBLISHED_CORES_PER_NODE = 32  # trn1.32xlarge's NeuronCores; other types scale by their peak FLOPS
+PUBLISHED_PEAK_TFLOPS_PER_CORE = TRAINIUM1.peak_bf16_tflops_per_logical_core
 PUBLISHED_SEQ_PER_NODE = 1.50  # SDK 2.24
 PUBLISHED_RANGE = (1.31, 1.67)  # SDK 2.20-2.24
 PUBLISHED_SOURCE = (
@@ -49,9 +50,13 @@ class Throughput:
     high: float
     source: str
 
-    def per_node(self, cores_per_node: int) -> Throughput:
-        scale = cores_per_node / PUBLISHED_CORES_PER_NODE
-        return Throughput(self.expected * scale, self.low * scale, self.high * scale, self.source)
+    def per_node(self, cores_per_node: int, peak_tflops_per_core: float) -> Throughput:
+        """On a node of `cores_per_node` cores of that peak: the published node's MFU, scaled by peak FLOPS."""
+        scale = cores_per_node * peak_tflops_per_core / (PUBLISHED_CORES_PER_NODE * PUBLISHED_PEAK_TFLOPS_PER_CORE)
+        source = self.source
+        if peak_tflops_per_core != PUBLISHED_PEAK_TFLOPS_PER_CORE:
+            source += f"; at the published MFU, scaled by peak FLOPS to {peak_tflops_per_core:g} TFLOPS a core"
+        return Throughput(self.expected * scale, self.low * scale, self.high * scale, source)
 
 
 # Keyed by (model.config's directory name, sequence length): the figures measured or published.
@@ -76,19 +81,18 @@ def expected_throughput(
     """The published figure for `model` at `seq_len`, else one derived from its MFU band (module docstring)."""
     known = EXPECTED.get((model, seq_len))
     if known is not None:
-        return known.per_node(cores_per_node)
+        return known.per_node(cores_per_node, peak_tflops_per_core)
     reference = flops_per_token(_published_config(), PUBLISHED_SEQ_LEN)
     flops = flops_per_token(config, seq_len)
 
+    def published_mfu(seq: float) -> float:
+        return mfu(seq, reference, PUBLISHED_SEQ_LEN, PUBLISHED_PEAK_TFLOPS_PER_CORE, PUBLISHED_CORES_PER_NODE)
+
     def at(seq: float) -> float:
-        utilization = mfu(seq, reference, PUBLISHED_SEQ_LEN, peak_tflops_per_core, PUBLISHED_CORES_PER_NODE)
-        return seq_per_node_at(utilization, flops, seq_len, peak_tflops_per_core, cores_per_node)
+        return seq_per_node_at(published_mfu(seq), flops, seq_len, peak_tflops_per_core, cores_per_node)
 
     low, high = PUBLISHED_RANGE
-    utilization = (
-        mfu(value, reference, PUBLISHED_SEQ_LEN, peak_tflops_per_core, PUBLISHED_CORES_PER_NODE)
-        for value in (low, PUBLISHED_SEQ_PER_NODE, high)
-    )
+    utilization = (published_mfu(value) for value in (low, PUBLISHED_SEQ_PER_NODE, high))
     band = "-".join(f"{u:.1%}" for u in utilization)
     source = (
         f"derived, nothing published for {model} at sequence {seq_len}: {PUBLISHED_MODEL}'s published MFU band "

@@ -26,10 +26,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.config.model import flops_per_token
+from training.config.hardware import DEFAULT_GENERATION
+from training.config.model import Parallelism, flops_per_token
 from training.config.precision import PARAMETER_DTYPE
 from training.config.recipe import Recipe, recipe_as_dict
+from training.errors import UserError
 from training.formats.hf import copy_companions
+from training.formats.sharded import GENERATION_KEY, recorded_generation
 from training.model import parallel
 from training.model.transformer import CausalLM, build_model
 from training.train.backend import TrainingBackend, training_backend
@@ -69,6 +72,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
         backend=backend.name,
         neuron_options=backend.parallel_options(recipe),
         pp=recipe.parallelism.pp,
+        generation=recipe.generation,
     )
     try:
         return Trainer.prepare(dataclasses.replace(options, recipe=recipe), backend, inputs).run()
@@ -248,7 +252,11 @@ class Trainer:
         every = recipe.checkpoint.every
         if self.options.compile_only or not (done == recipe.steps or (every > 0 and done % every == 0)):
             return
-        user_content = {"step": done, "consumed_samples": done * self.inputs.plan.global_batch}
+        user_content = {
+            "step": done,
+            "consumed_samples": done * self.inputs.plan.global_batch,
+            GENERATION_KEY: recipe.generation,  # the K/V layout of its rank files
+        }
         self.backend.save_checkpoint(
             self.directory,
             done,
@@ -278,10 +286,22 @@ def _model(recipe: Recipe, inputs: RunInputs, backend: TrainingBackend, resume_s
         capacity_factor=recipe.moe.capacity_factor,
     )
     if resume_step is not None:
+        check_resumed_generation(Path(recipe.checkpoint.dir) / f"step_{resume_step}", recipe, inputs.parallelism)
         backend.load_weights(Path(recipe.checkpoint.dir), resume_step, model)
     elif recipe.model.pretrained:
         load_pretrained(Path(recipe.model.pretrained), inputs.config_path, model)
     return model
+
+
+def check_resumed_generation(step_dir: Path, recipe: Recipe, parallelism: Parallelism) -> None:
+    """Refuse, in one line, a checkpoint whose K/V replicas are laid out for another generation."""
+    recorded = recorded_generation(step_dir) or DEFAULT_GENERATION  # a checkpoint from before the record: trn1's
+    if parallelism.kv_multiplier > 1 and recorded != recipe.generation:
+        raise UserError(
+            f"checkpoint.dir {step_dir}: saved for {recorded} (its K/V replicas are laid out for it); this run is "
+            f"for {recipe.generation}: resume it on {recorded}, or convert it through hf (`convert --from nxd --to "
+            f"hf`, then `--to nxd --target {recipe.generation}`) and train from that as model.pretrained"
+        )
 
 
 def _step_report(options: TrainOptions, backend: TrainingBackend, inputs: RunInputs, start: int) -> StepReport:

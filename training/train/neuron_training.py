@@ -27,11 +27,9 @@ import torch
 from torch import nn
 
 from training.config.backends import Backend
-from training.config.loading import not_allowed
 from training.config.model import ModelSpec, Parallelism
 from training.config.precision import neuron_mixed_precision_config
 from training.config.recipe import OptimizerSection, Precision, Recipe
-from training.errors import UserError
 from training.model import parallel
 from training.model.transformer import CausalLM, CausalLMOutput, StageCarry
 from training.train.backend import TrainingBackend
@@ -241,23 +239,10 @@ class NeuronTraining:
     compiles_graphs = True
 
     def check_layout(self, spec: ModelSpec, parallelism: Parallelism) -> None:
-        """Replicated K/V heads only on trn1: our layout (and the converter's) tiles the K/V replicas over the
-        ranks as NxD does on trn1; on later generations NxD's `arrange_kv_groups` puts them on consecutive ranks
-        instead."""
-        if parallelism.kv_multiplier <= 1:
-            return
-        from training.model.neuron_backend import platform_target
+        """Before any process group: the host is of the generation the K/V replicas are laid out for."""
+        from training.model.neuron_backend import check_generation
 
-        target = platform_target()
-        if target != "trn1":
-            raise UserError(
-                not_allowed(
-                    "parallelism.kv_size_multiplier",
-                    parallelism.kv_multiplier,
-                    f"1 on {target}: replicated K/V heads are laid out for trn1 only; use a TP degree that "
-                    f"divides the {spec.num_kv_heads} KV heads",
-                )
-            )
+        check_generation(parallelism.generation)
 
     def parallel_options(self, recipe: Recipe) -> dict[str, Any]:
         return neuron_trainer_options(

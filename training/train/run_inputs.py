@@ -37,7 +37,7 @@ def check_model_fits(recipe: Recipe, spec: ModelSpec, backend: TrainingBackend) 
     """The TP layout the recipe asks for, or one line saying why it cannot be (before any process group)."""
     wanted = recipe.parallelism
     multiplier = wanted.kv_size_multiplier or default_kv_multiplier(spec, wanted.tp)
-    parallelism = Parallelism(tp=wanted.tp, pp=wanted.pp, kv_multiplier=multiplier, fuse_qkv=wanted.fuse_qkv)
+    parallelism = Parallelism(wanted.tp, wanted.pp, multiplier, wanted.fuse_qkv, generation=recipe.generation)
     try:
         check_parallelism(spec, parallelism, "nxd")
     except UserError as error:

@@ -62,7 +62,8 @@ def placeholder(name: str) -> type:
 
 
 def _platform_target(*args: Any, **kwargs: Any) -> str:
-    return os.environ.get("NEURON_STANDIN_PLATFORM", PLATFORM)  # a test may pretend to be another generation
+    # As torch-neuronx's: NEURON_PLATFORM_TARGET_OVERRIDE first (how a test pretends to be another generation).
+    return os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE") or PLATFORM
 
 
 # --- NKI flash attention --------------------------------------------------------------------------------------

@@ -108,6 +108,12 @@ def test_every_problem_is_reported_at_once_one_line_each(tmp_path: Path) -> None
             "memory.activation_checkpointing: 'some' is not allowed; allowed: none, selective, full",
         ),
         (["model=3"], "model: 3 is not allowed; allowed: a mapping of keys"),
+        (["generation=trn3"], "generation: 'trn3' is not allowed; allowed: trn1, trn2"),
+        (["generations=[1]"], "generations: [1] is not allowed; allowed: a mapping of generation to settings"),
+        (
+            ["generations.trn9={nodes: 1}"],
+            "generations.trn9: {'nodes': 1} is not allowed; allowed: a mapping of trn1 or trn2 to settings",
+        ),
     ],
 )
 def test_each_recipe_rule_rejects_with_one_line(overrides: list[str], problem: str) -> None:
@@ -118,7 +124,8 @@ def test_each_recipe_rule_rejects_with_one_line(overrides: list[str], problem: s
 
 COMPILER_FLAG = (
     "one compiler flag starting with '-', its value joined with '=' (e.g. --model-type=transformer), without "
-    "whitespace, quotes or backslashes; not --cache_dir (the site's compile_cache sets it)"
+    "whitespace, quotes or backslashes; not --cache_dir, --target or --lnc (the site's compile_cache, the "
+    "generation and the instance type set them)"
 )
 
 
@@ -149,6 +156,11 @@ def test_the_document_recipes_carry_nxds_neuron_settings_per_model() -> None:
             '["-O1", "--cache-dir=/x"]',
             f"neuron.compiler_flags[1]: '--cache-dir=/x' is not allowed; allowed: {COMPILER_FLAG}",
         ),
+        (
+            '["--target=trn2"]',
+            f"neuron.compiler_flags[0]: '--target=trn2' is not allowed; allowed: {COMPILER_FLAG}",
+        ),
+        ('["--lnc=1"]', f"neuron.compiler_flags[0]: '--lnc=1' is not allowed; allowed: {COMPILER_FLAG}"),
         (
             '["--model-type transformer"]',
             f"neuron.compiler_flags[0]: '--model-type transformer' is not allowed; allowed: {COMPILER_FLAG}",
@@ -261,3 +273,17 @@ def test_schedule_warms_up_then_decays_to_min_lr() -> None:
     assert learning_rate(55, 1e-5, cosine, 100) == pytest.approx(middle)
     assert learning_rate(100, 1e-5, cosine, 100) == pytest.approx(1e-6)
     assert learning_rate(5, 1e-5, ScheduleSection(warmup_steps=0, decay="constant"), 100) == 1e-5
+
+
+def test_a_generation_section_applies_under_the_command_lines_overrides() -> None:
+    """`generations.trn2` over the recipe when loaded for trn2 (as `submit` on a trn2 site loads it), the command
+    line's overrides over both; the loaded recipe keeps no section, and its MFU peak is the generation's."""
+    trn1, trn2 = load_recipe("llama31-8b-cpt"), load_recipe("llama31-8b-cpt", generation="trn2")
+    assert (trn1.generation, trn1.nodes, trn1.parallelism.tp, trn1.parallelism.kv_size_multiplier) == ("trn1", 4, 32, 4)
+    assert (trn2.generation, trn2.nodes, trn2.parallelism.tp, trn2.parallelism.kv_size_multiplier) == ("trn2", 1, 16, 2)
+    assert trn2.parallelism.sequence_parallel and trn2.batch == trn1.batch  # the rest is the recipe's
+    assert (trn1.peak_tflops_per_worker, trn2.peak_tflops_per_worker) == (95.0, 166.75)
+    overridden = load_recipe("llama31-8b-cpt", ["nodes=2", "parallelism.tp=8"], generation="trn2")
+    assert (overridden.nodes, overridden.parallelism.tp, overridden.parallelism.kv_size_multiplier) == (2, 8, 2)
+    assert trn2.generations == {} and "generations" not in recipe_as_dict(trn2)
+    assert load_recipe("llama31-8b-cpt", ["generation=trn2"]) == trn2  # an override chooses the section too

@@ -67,6 +67,46 @@ def test_llama_hf_to_nxd_to_hf_is_bit_exact(case: str, tmp_path: Path) -> None:
     assert_identical(hf_tensors(source), hf_tensors(back))
 
 
+def test_a_trn1_checkpoint_moves_to_trn2_and_back_through_hf_bit_exactly(tmp_path: Path) -> None:
+    """trn1 -> hf -> trn2 -> hf -> trn1: every file the same tensors as the start; each nxd output records its
+    generation, and an nxd input is refused a --target other than the one it records."""
+    source = llama(tmp_path / "hf", heads=8, kv_heads=2)
+    steps = [
+        ("hf", "nxd", "trn1"),
+        ("nxd", "hf", None),
+        ("hf", "nxd", "trn2"),
+        ("nxd", "hf", None),
+        ("hf", "nxd", "trn1"),
+    ]
+    current = source
+    outputs = []
+    for index, (frm, to, target) in enumerate(steps):
+        output = tmp_path / f"{index}-{to}{'-' + target if target else ''}"
+        options = {"tp": 4, "kv_multiplier": 2, "target": target, "verify": True} if to == "nxd" else {}
+        manifest = convert(ConvertOptions(source_format=frm, target_format=to, input=current, output=output, **options))  # type: ignore[arg-type]
+        assert manifest["generation"] == target
+        outputs.append(output)
+        current = output
+    assert_identical(hf_tensors(source), hf_tensors(outputs[1]))
+    assert_identical(hf_tensors(source), hf_tensors(outputs[3]))
+    for first, last in zip(
+        sorted((outputs[0] / "model").iterdir()), sorted((outputs[4] / "model").iterdir()), strict=True
+    ):
+        assert_identical(torch.load(first, weights_only=True), torch.load(last, weights_only=True))
+    trn1_k = torch.load(outputs[0] / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt", weights_only=True)
+    trn2_k = torch.load(outputs[2] / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt", weights_only=True)
+    key = "model.layers.0.self_attn.qkv_proj.weight_k"
+    head_rows = hf_tensors(source)["model.layers.0.self_attn.k_proj.weight"].chunk(2)
+    assert torch.equal(trn1_k[key], head_rows[1]) and torch.equal(trn2_k[key], head_rows[0])  # rank 1: tiled/adjacent
+    assert sharded.recorded_generation(outputs[2]) == "trn2"
+    with pytest.raises(UserError, match=r"^--target trn1: .* was written for trn2 \(its K/V replicas are laid out"):
+        convert(
+            ConvertOptions(
+                source_format="nxd", target_format="hf", input=outputs[2], output=tmp_path / "x", target="trn1"
+            )
+        )
+
+
 @pytest.mark.parametrize("layout", ["nxd", "nemo"])
 def test_streamed_paths_are_exact_across_many_row_blocks(
     layout: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -13,9 +13,11 @@ from training.formats.layouts import (
     check_parallelism,
     default_kv_multiplier,
     hf_shapes,
+    nxd_key_value,
     query_head_order,
     stage_of_layer,
 )
+from training.model.cpu_groups import kv_shared_groups
 
 LLAMA3_8B = ModelSpec("llama", 32, 4096, 14336, 32, 8, 128, 128256)
 
@@ -43,6 +45,38 @@ def test_each_rank_holds_the_query_heads_of_its_kv_heads() -> None:
             assert {h // (spec.num_heads // spec.num_kv_heads) for h in heads} == held
 
 
+def test_on_trn2_a_kv_heads_replicas_sit_on_adjacent_ranks_and_queries_stay_in_order() -> None:
+    """neuronx-distributed-training's Llama 3 8B trn2 layout (TP 16, kv_replicator 2): rank r holds KV head r // 2
+    (`repeat_interleave`) and, in Hugging Face order, query heads 2r and 2r + 1; trn1 tiles the same replicas."""
+    trn2 = Parallelism(tp=16, kv_multiplier=2, generation="trn2")
+    assert query_head_order(LLAMA3_8B, trn2) == [[2 * r, 2 * r + 1] for r in range(16)]
+    trn1 = Parallelism(tp=16, kv_multiplier=2)
+    assert query_head_order(LLAMA3_8B, trn1) == [
+        [4 * (r % 8) + 2 * (r // 8), 4 * (r % 8) + 2 * (r // 8) + 1] for r in range(16)
+    ]
+    spec = tiny(heads=8, kv=2)
+    keys = torch.arange(2 * spec.head_dim, dtype=torch.float32).reshape(2 * spec.head_dim, 1)  # row h*d.. is head h
+    for generation, held in (("trn1", [0, 1, 0, 1]), ("trn2", [0, 0, 1, 1])):
+        split, merge = nxd_key_value(spec, Parallelism(tp=4, kv_multiplier=2, generation=generation))  # type: ignore[arg-type]
+        shards = [split([keys], rank) for rank in range(4)]
+        assert [int(shard[0, 0]) // spec.head_dim for shard in shards] == held, generation
+        assert torch.equal(merge(shards)[0], keys)
+
+
+@pytest.mark.parametrize("generation", ["trn1", "trn2"])
+def test_the_cpu_backends_kv_groups_are_the_ranks_holding_one_head(generation: str) -> None:
+    """As NxD's `arrange_kv_groups` (its own code is compared in the neuron tier): strided on trn1, consecutive on
+    trn2, within each TP group of the world."""
+    expected = {"trn1": [[0, 2], [1, 3], [4, 6], [5, 7]], "trn2": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    assert kv_shared_groups(4, 8, 2, adjacent=generation == "trn2") == expected[generation]
+    spec = tiny(heads=8, kv=2)
+    parallelism = Parallelism(tp=4, kv_multiplier=2, generation=generation)  # type: ignore[arg-type]
+    split, _ = nxd_key_value(spec, parallelism)
+    keys = torch.randn(2 * spec.head_dim, 3)
+    for group in kv_shared_groups(4, 4, 2, adjacent=parallelism.kv_replicas_adjacent):
+        assert all(torch.equal(split([keys], rank), split([keys], group[0])) for rank in group)
+
+
 def random_sources(spec: ModelSpec, groups: list, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return {name: torch.randn(shape, generator=generator).to(dtype) for name, shape in hf_shapes(spec).items()}
@@ -51,6 +85,8 @@ def random_sources(spec: ModelSpec, groups: list, dtype: torch.dtype = torch.flo
 CASES = [
     ("nxd", tiny(), Parallelism(tp=4, kv_multiplier=2)),
     ("nxd", tiny(), Parallelism(tp=8, kv_multiplier=4, fuse_qkv=True)),
+    ("nxd", tiny(), Parallelism(tp=4, kv_multiplier=2, generation="trn2")),
+    ("nxd", tiny(), Parallelism(tp=8, kv_multiplier=4, fuse_qkv=True, generation="trn2")),
     ("nxd", tiny(heads=8, kv=8), Parallelism(tp=2, pp=2)),
     ("nxd", tiny("mixtral", experts=4, layers=4), Parallelism(tp=2, pp=2, kv_multiplier=1)),
     ("nemo", tiny(), Parallelism(tp=2, pp=2)),

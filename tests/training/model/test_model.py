@@ -8,6 +8,7 @@ converter's rank files, and the write-back of that state dict through `convert -
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -250,6 +251,19 @@ TP_CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, Any]
         4,
     ),
     "llama-gqa-tp2-dp2": (lambda d: llama(d, kv_heads=4), {}, {}, 2),  # 2 KV heads per rank
+    # Trainium2's layout: a KV head's replicas on adjacent ranks, and the ranks sharing a head grouped so
+    "llama-gqa-tp4-kv2-trn2": (
+        lambda d: llama(d),
+        {"kv_multiplier": 2, "target": "trn2"},
+        {"kv_multiplier": 2, "generation": "trn2"},
+        4,
+    ),
+    "llama-mqa-tp2-dp2-kv2-trn2-sp": (
+        lambda d: llama(d, kv_heads=1),
+        {"kv_multiplier": 2, "target": "trn2"},
+        {"kv_multiplier": 2, "generation": "trn2", "execution": {"sequence_parallel": True}},
+        2,
+    ),
     "mixtral-tp2-dp2": (lambda d: mixtral(d, layers=2), {}, {"router_aux_loss": True}, 2),
     "mixtral-dense-tp4": (lambda d: mixtral(d, layers=2), {}, {"router_aux_loss": True, "moe_dispatch": "dense"}, 4),
     # the same models with sequence parallelism (and checkpointing, flash attention): the same numbers
@@ -333,7 +347,8 @@ def layout(case: dict[str, Any]) -> tuple[ModelSpec, Parallelism]:
     options = case["options"]
     spec = ModelSpec.from_config(config_of(case["source"]))
     multiplier = options.get("kv_multiplier") or default_kv_multiplier(spec, case["tp"])
-    return spec, Parallelism(tp=case["tp"], kv_multiplier=multiplier, fuse_qkv=options.get("fuse_qkv", False))
+    generation = options.get("generation", "trn1")
+    return spec, Parallelism(case["tp"], 1, multiplier, options.get("fuse_qkv", False), generation)
 
 
 @pytest.mark.parametrize("name", list(TP_CASES))
@@ -379,7 +394,9 @@ def test_tp_state_dicts_are_the_converter_files_and_write_back(
     for tp_rank, rank in enumerate(first_replica):
         assert_identical(rank["state_dict"], rank_file(case["nxd"], tp_rank))
     written = write_nxd(tmp_path / "written", case["source"], [rank["state_dict"] for rank in first_replica])
-    convert(ConvertOptions(source_format="nxd", target_format="hf", input=written, output=tmp_path / "back"))
+    generation = case["options"].get("generation")  # bare rank files record none: --target says
+    back = ConvertOptions(source_format="nxd", target_format="hf", input=written, output=tmp_path / "back")
+    convert(dataclasses.replace(back, target=generation))
     assert_identical(hf_tensors(tmp_path / "back"), hf_tensors(case["source"]))
 
 

@@ -147,3 +147,28 @@ def test_checking_a_pickle_reads_the_pickle_not_the_tensors(tmp_path: Path) -> N
     with pytest.raises(UserError, match=rf"^{truncated}: not a readable torch.save file, truncated or corrupt"):
         load_plain(truncated, data=False)
     assert not marker.exists()
+
+
+def test_a_checkpoint_of_another_generation_is_refused_at_resume_in_one_line(tmp_path: Path) -> None:
+    """The checkpoint records the generation its K/V replicas are laid out for (user_content.pt); one saved before
+    it did so is trn1's. Resuming it for trn2 is one line saying what to do; without replicas it loads anywhere."""
+    from training.config.model import Parallelism
+    from training.train.loop import check_resumed_generation
+
+    recipe = load_recipe("tiny-llama-cpt", generation="trn2")
+    replicated, plain = Parallelism(tp=4, kv_multiplier=2, generation="trn2"), Parallelism(tp=2, generation="trn2")
+    for name, content in (("step_2", {"step": 2, "generation": "trn1"}), ("step_4", {"step": 4})):
+        (tmp_path / name).mkdir()
+        torch.save(content, tmp_path / name / "user_content.pt")
+        with pytest.raises(UserError) as refused:
+            check_resumed_generation(tmp_path / name, recipe, replicated)
+        assert str(refused.value) == (
+            f"checkpoint.dir {tmp_path / name}: saved for trn1 (its K/V replicas are laid out for it); this run is "
+            "for trn2: resume it on trn1, or convert it through hf (`convert --from nxd --to hf`, then `--to nxd "
+            "--target trn2`) and train from that as model.pretrained"
+        )
+        check_resumed_generation(tmp_path / name, recipe, plain)  # no replicas: the same files on either
+    torch.save(
+        {"step": 6, "generation": "trn2"}, (tmp_path / "step_6").mkdir() or tmp_path / "step_6" / "user_content.pt"
+    )
+    check_resumed_generation(tmp_path / "step_6", recipe, replicated)
