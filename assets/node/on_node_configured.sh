@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ParallelCluster OnNodeConfigured action for a Slurm cluster with trn1 compute nodes.
+# ParallelCluster OnNodeConfigured action for a Slurm cluster with Trainium (trn1, trn2) compute nodes.
 #
 # ParallelCluster runs this script as root on every node once the node is configured and passes
 # CustomActions.OnNodeConfigured.Args as positional arguments:
@@ -393,8 +393,8 @@ require_root() {
 
 # ----------------------------------------------------------------------------- /etc/hosts
 
-# trn1 instances have 8 network interfaces and the line that maps the node's own hostname can
-# point at the IP of a secondary interface. Removing it lets the name resolve through DNS
+# Trainium instances have several network interfaces (trn1.32xlarge 8, trn2.48xlarge 16) and the line
+# that maps the node's own hostname can point at the IP of a secondary interface. Removing it lets the name resolve through DNS
 # (ParallelCluster's Route 53 zone by default). Removes the given names (default: this host's
 # short and full hostname, and any FQDN starting with "<short>.") from every line of HOSTS_FILE;
 # a line left without names is dropped. All other lines are kept byte for byte. Idempotent.

@@ -187,6 +187,21 @@ def account_of(env: Synthesized) -> dict[str, Any]:
     }
 
 
+def reservations_of(env: Synthesized) -> dict[str, dict[str, Any]] | None:
+    """The reservation or Capacity Block the environment file names, as the account holds it when the file is
+    right (its instance type, zone and count); None for capacity bought on demand or spot."""
+    compute = env.config.compute
+    reservation_id = compute.capacity.reservation_id
+    if reservation_id is None:
+        return None
+    zone = next(iter(subnet_zones_of(env.template, env.config.region).values()))
+    kind = "capacity-block" if compute.capacity.type == "capacity-block" else "default"
+    held = reservation(
+        reservation_id, instance_type=compute.instance_type, zone=zone, count=compute.max_count, kind=kind
+    )
+    return {reservation_id: held}
+
+
 def reservation(
     reservation_id: str, *, instance_type: str, zone: str, count: int, kind: str = "default"
 ) -> dict[str, Any]:
@@ -213,7 +228,11 @@ def test_synthesized_configuration_passes_parallelcluster_validation(
     configuration = resolved_configuration(env)
     assert not re.search(r"\$\{|Fn::|\"Ref\"", repr(configuration))
     report = run_offline_validation(
-        configuration, cluster_name=env.config.cluster_name, region=env.config.region, **account_of(env)
+        configuration,
+        cluster_name=env.config.cluster_name,
+        region=env.config.region,
+        capacity_reservations=reservations_of(env),
+        **account_of(env),
     )
     assert errors_of(report.findings) == []
     assert {"SecurityGroupsValidator", "EfaSecurityGroupValidator", "ExistingFsxNetworkingValidator"} <= set(
@@ -450,15 +469,19 @@ def test_the_trn2_environment_passes_parallelcluster_validation_with_its_block(
     configuration = resolved_configuration(env)
     queue = configuration["Scheduling"]["SlurmQueues"][0]
     (resource,) = queue["ComputeResources"]
-    zone = next(iter(subnet_zones_of(env.template, env.config.region).values()))
-    block = env.config.compute.capacity.reservation_id
-    assert block is not None
-    held = reservation(block, instance_type="trn2.48xlarge", zone=zone, count=1, kind="capacity-block")
+    reservations = reservations_of(env)
+    assert reservations is not None
+    ((block, held),) = reservations.items()
+    assert (held["InstanceType"], held["ReservationType"], held["TotalInstanceCount"]) == (
+        "trn2.48xlarge",
+        "capacity-block",
+        1,
+    )
     report = run_offline_validation(
         configuration,
         cluster_name=env.config.cluster_name,
         region=env.config.region,
-        capacity_reservations={block: held},
+        capacity_reservations=reservations,
         **account_of(env),
     )
     assert errors_of(report.findings) == []

@@ -83,7 +83,9 @@ def trainer_config() -> dict[str, Any]:
 
 def destroy() -> None:
     global _owns_world, _config
-    importlib.import_module(PARALLEL_STATE).destroy_model_parallel()
+    state = importlib.import_module(PARALLEL_STATE)
+    state.destroy_model_parallel()
+    state.destroy_kv_group()  # not part of destroy_model_parallel: a stale group would outlive the world
     _config = None
     if _owns_world:
         dist.destroy_process_group()

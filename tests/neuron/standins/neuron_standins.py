@@ -4,13 +4,14 @@
 Trainium hosts (their PyPI entries are placeholders). neuronx-distributed imports them at module level for
 tracing, NKI kernels and compilation. Every module and attribute under those names is a placeholder class:
 importing, subclassing, decorating and annotating work, a placeholder's attributes and items are
-placeholders, and `get_platform_target()` answers "trn1". The exceptions are the two NKI flash attention
-kernels NxD's `nki_flash_attn_func` launches and their `FlashConfig` (`STANDIN_ATTRIBUTES`): exact attention
+placeholders, and `get_platform_target()` answers "trn1" (or, as the real one does,
+NEURON_PLATFORM_TARGET_OVERRIDE). The exceptions are the two NKI flash attention kernels NxD's
+`nki_flash_attn_func` launches and their `FlashConfig` (`STANDIN_ATTRIBUTES`): exact attention
 in plain torch ops on the tensors' own device, in the kernels' layouts, each launch counted (`KERNEL_CALLS`).
 `libneuronxla.libneuronpjrt_path` stays absent on purpose: its presence would switch torch-xla to the
 Neuron PJRT plugin. The real torch_neuronx also registers `torch.classes.neuron.*` from its C++ library;
-NxD uses them as annotations, so the stand-in registers placeholders. Two differences of the CPU device are
-bridged too: see `_host_world_size` and `_rendezvous_across_processes`.
+NxD uses them as annotations, so the stand-in registers placeholders. Three differences of the CPU device are
+bridged too: see `_host_world_size`, `_rendezvous_across_processes` and `_all_reduce_across_processes`.
 """
 
 from __future__ import annotations
@@ -317,9 +318,51 @@ def _rendezvous_across_processes(module: types.ModuleType) -> None:
     module.rendezvous = rendezvous  # type: ignore[attr-defined]
 
 
+def _all_reduce_across_processes(module: types.ModuleType) -> None:
+    """On Trainium torch-xla's `all_reduce` over replica groups is the Neuron runtime's collective across the
+    workers (through the Neuron PJRT plugin). Under NxD's CPU mode NxD's GQA layer still calls it directly, on CPU
+    tensors, to sum the K/V output gradients over the ranks that hold one KV head (`qkv_linear_utils`, with
+    `get_kv_shared_replica_groups()`); on XLA:CPU each process is a world of its own and the sum would silently
+    be this rank's alone. There it is what it is on Trainium: a sum within each replica group, over gloo."""
+    if int(os.environ.get("NXD_CPU_MODE", "0")) <= 0:
+        return
+    on_this_device = module.all_reduce
+    made: dict[Any, Any] = {}
+
+    def all_reduce(
+        reduce_type: str, inputs: Any, scale: float = 1.0, groups: Any = None, pin_layout: bool = True
+    ) -> Any:
+        import torch.distributed as dist
+
+        tensors = inputs if isinstance(inputs, list) else [inputs]
+        local = not (dist.is_initialized() and dist.get_world_size() > 1)
+        if local or any(t.device.type != "cpu" for t in tensors):
+            return on_this_device(reduce_type, inputs, scale=scale, groups=groups, pin_layout=pin_layout)
+        if reduce_type != module.REDUCE_SUM:
+            raise NotImplementedError(f"stand-in all_reduce across processes: {reduce_type!r} (only sum)")
+        # Groups are made once per world (a process may start another) and replica-group list, by every rank.
+        key = (id(dist.group.WORLD), tuple(tuple(ranks) for ranks in groups or ()))
+        if key not in made:
+            made[key] = [(ranks, dist.new_group(list(ranks))) for ranks in key[1]]
+        mine = next((group for ranks, group in made[key] if dist.get_rank() in ranks), None)
+        results = []
+        for tensor in tensors:
+            summed = tensor.clone()
+            dist.all_reduce(summed, group=mine)
+            results.append(summed * scale if scale != 1.0 else summed)
+        return results if isinstance(inputs, list) else results[0]
+
+    module.all_reduce = all_reduce  # type: ignore[attr-defined]
+
+
+def _collectives_across_processes(module: types.ModuleType) -> None:
+    _rendezvous_across_processes(module)
+    _all_reduce_across_processes(module)
+
+
 AFTER_IMPORT = {
     "torch_xla.core.xla_env_vars": _host_world_size,
-    "torch_xla.core.xla_model": _rendezvous_across_processes,
+    "torch_xla.core.xla_model": _collectives_across_processes,
 }
 
 
