@@ -292,7 +292,12 @@ def test_plan_command_prints_the_breakdown_and_exits_by_fit(capsys: pytest.Captu
     for line in ("weights", "gradients", "optimizer state", "activations", "logits", "runtime reserve", "total"):
         assert f"  {line}" in text
     assert "headroom: fits\nforecast: " in text  # the verdict, then the run's forecast (tests/infra/test_forecast.py)
-    assert main(["plan", "--recipe", "mixtral-8x7b-sft", "--json", *MIXTRAL_AS_IT_STOOD]) == 1
+    assert (
+        main(
+            ["plan", "--recipe", "mixtral-8x7b-sft", "--instance-type", "trn1.32xlarge", "--json", *MIXTRAL_AS_IT_STOOD]
+        )
+        == 1
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is False and data["hbm_gib"] == 16.0 and data["per_core_gib"] > 30
     assert data["headroom"] == pytest.approx(1 - data["per_core_gib"] / data["hbm_gib"], abs=1e-3)
