@@ -26,7 +26,7 @@ from stacks.cluster import (
     pinned_neuron_release,
 )
 from stacks.cluster_requirements import LOCK, ROOT, normalized, read_lock
-from stacks.config import load_environment
+from stacks.config import EnvironmentConfig, load_environment
 from stacks.pcluster_config import ClusterResources, build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
 from stacks.training_environment import cluster_settings, node_health
@@ -188,13 +188,17 @@ def account_of(env: Synthesized) -> dict[str, Any]:
 
 
 def reservations_of(env: Synthesized) -> dict[str, dict[str, Any]] | None:
-    """The reservation or Capacity Block the environment file names, as the account holds it when the file is
-    right (its instance type, zone and count); None for capacity bought on demand or spot."""
-    compute = env.config.compute
+    """The reservation or Capacity Block the environment file names, in the zone of its template's subnets."""
+    return reservations_in(env.config, next(iter(subnet_zones_of(env.template, env.config.region).values())))
+
+
+def reservations_in(config: EnvironmentConfig, zone: str) -> dict[str, dict[str, Any]] | None:
+    """The reservation or Capacity Block an environment file names, as the account holds it when the file is
+    right (its instance type, `zone` and count); None for capacity bought on demand or spot."""
+    compute = config.compute
     reservation_id = compute.capacity.reservation_id
     if reservation_id is None:
         return None
-    zone = next(iter(subnet_zones_of(env.template, env.config.region).values()))
     kind = "capacity-block" if compute.capacity.type == "capacity-block" else "default"
     held = reservation(
         reservation_id, instance_type=compute.instance_type, zone=zone, count=compute.max_count, kind=kind
@@ -314,10 +318,15 @@ def test_builder_is_pure_and_uses_every_resource() -> None:
 def test_builder_output_passes_parallelcluster_validation_for_every_environment() -> None:
     for name in ENVIRONMENT_NAMES:
         config = load_environment(name, ENVIRONMENTS_DIR)
+        built = build_cluster_configuration(cluster_settings(config), RESOURCES)
+        (subnet,) = built["Scheduling"]["SlurmQueues"][0]["Networking"]["SubnetIds"]
+        zone = f"{config.region}a"  # the compute subnet's zone, and the reservation's the file names
         findings = validate_cluster_config(
-            build_cluster_configuration(cluster_settings(config), RESOURCES),
+            built,
             cluster_name=config.cluster_name,
             region=config.region,
+            subnet_azs={subnet: zone},
+            capacity_reservations=reservations_in(config, zone),
         )
         assert errors_of(findings) == [], name
 

@@ -197,7 +197,8 @@ def expected_python_argv(world: World, recipe: Recipe, site: Site, stage: str, n
     if stage == "convert-in":
         argv = [python, "-m", "training", "convert", "--from", "hf", "--to", "nxd", "--input", str(world.model)]
         argv += ["--output", f"{run}/pretrained_weight", "--tp", str(recipe.parallelism.tp)]
-        return argv + (["--pp", str(recipe.parallelism.pp)] if recipe.parallelism.pp > 1 else [])
+        argv += ["--pp", str(recipe.parallelism.pp)] if recipe.parallelism.pp > 1 else []
+        return [*argv, "--target", recipe.generation]
     if stage in ("compile", "train"):
         argv = [python, "-m", "torch.distributed.run", "--nnodes", str(recipe.nodes), "--node_rank", "0"]
         argv += ["--nproc_per_node", str(processes_per_node(recipe, site)), "--master_addr", "127.0.0.1"]
@@ -260,7 +261,7 @@ def test_hostile_values_arrive_intact_and_never_run(world: World, recipe_name: s
         assert (world.cwd / "setup-ran").read_text() == "setup ran\n"  # the site's setup line ran, as code
         if neuron:  # the Neuron environment's directory first on PATH, the cache as one flag, both intact
             assert call["path"] == str(world.python.parent)
-            assert call["cc_flags"] == f"--model-type=transformer --cache_dir={world.cache}"
+            assert call["cc_flags"] == f"--target=trn1 --lnc=1 --model-type=transformer --cache_dir={world.cache}"
         if distributed:
             srun = [r["argv"] for r in records if r["argv"][0] == str(world.slurm_bin / "srun")]
             assert len(srun) == 1 and srun[0][1:4] == ["--kill-on-bad-exit=1", "bash", "-c"]
