@@ -26,6 +26,7 @@ from training.formats.layouts import Chunk, Concatenate, Fuse, Rule, Unfuse, all
 from training.formats.lazy import CheckpointError, FileRange, LazyTensor, lazy_tensors, read_into, release_mappings
 from training.formats.torch_reader import open_checkpoint_file
 from training.formats.torch_writer import TorchFileWriter, XserWriter
+from training.outputs import MANIFEST, read_manifest
 
 # Where an NxD checkpoint records the Trainium generation its K/V layout is for: the converter's manifest, or the
 # training checkpoint's user_content.pt (beside step and data position). Neither: an older trn1 checkpoint.
@@ -40,14 +41,11 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 def recorded_generation(directory: Path) -> Generation | None:
     """The generation an NxD checkpoint directory records (the module's GENERATION_KEY note); None if none."""
     recorded: Any = None
-    manifest = directory / "manifest.json"
-    if manifest.is_file():
-        import json
-
-        try:
-            recorded = json.loads(manifest.read_text()).get(GENERATION_KEY)
-        except (json.JSONDecodeError, AttributeError) as error:
-            raise UserError(f"{manifest}: not a JSON object ({error}); allowed: the converter's manifest") from None
+    if (directory / MANIFEST).is_file():
+        manifest = read_manifest(directory)
+        if manifest is None:
+            raise UserError(f"{directory / MANIFEST}: not JSON; allowed: the converter's manifest")
+        recorded = manifest.get(GENERATION_KEY)
     elif (directory / USER_CONTENT).is_file():
         content = open_checkpoint_file(directory / USER_CONTENT)
         recorded = content.get(GENERATION_KEY) if isinstance(content, dict) else None
