@@ -41,14 +41,16 @@ def run_case(case: dict[str, Any], out: Path) -> None:
         rank_file = f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_00.pt"
         model = build_model(ModelConfig.from_hf(config), seed=None, **options)
         model.load_state_dict(torch.load(checkpoint / "model" / rank_file, weights_only=True), strict=True)
-        loaded = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        loaded = local_state(model)
 
         ids = torch.tensor(case["batches"][dp_rank])
         labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), IGNORE_INDEX)], dim=1)
         output = model(ids, labels)
         output.loss.backward()
         parallel.sum_sequence_parallel_gradients(model.parameters())  # what the optimizer does first
-        grads = {name: p.grad.clone() for name, p in model.named_parameters(remove_duplicate=False)}
+        grads = {
+            name: parallel.local_view(p.grad).clone() for name, p in model.named_parameters(remove_duplicate=False)
+        }
 
         norm = None
         if backend == "neuron":  # neuronx-distributed's own TP-aware norm, from the parameters' attributes
@@ -65,13 +67,18 @@ def run_case(case: dict[str, Any], out: Path) -> None:
             "grads": grads,
             "grad_norm": norm,
             "state_dict": loaded,
-            "seeded_state_dict": seeded.state_dict(),
+            "seeded_state_dict": local_state(seeded),
         }
         directory = out / case["name"]
         directory.mkdir(parents=True, exist_ok=True)
         torch.save(result, directory / f"rank_{parallel.world_rank():02d}.pt")
     finally:
         parallel.destroy()
+
+
+def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict as rank files hold it (a DTensor's local shard on the torch-native backend)."""
+    return {name: parallel.local_view(tensor).clone() for name, tensor in model.state_dict().items()}
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-Backend = Literal["cpu", "neuron"]
+Backend = Literal["cpu", "neuron", "torch-native"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 # How Mixtral's MoE block runs its experts (`training.model.transformer.MoE`): "sparse" each expert on its
@@ -40,6 +40,9 @@ FACTS: dict[Backend, BackendFacts] = {
     "neuron": BackendFacts(
         moe_dispatch="dense", on_trainium=True, flash_attention_block=2048, flash_reads_transposed=True
     ),
+    # Eager PyTorch on Neuron (TorchNeuron) or on the CPU: dynamic shapes run as they come (a compiled run asks
+    # for a static dispatch: `training.config.recipe`); torch's SDPA takes q, k, v with head_dim contiguous.
+    "torch-native": BackendFacts(moe_dispatch="sparse", on_trainium=True),
 }
 
 

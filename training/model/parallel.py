@@ -2,11 +2,13 @@
 # (the declared functions below have no body of their own: `@neuron(...)` gives each one its body.)
 """The parallel facade: the model is written once against these names, a backend chosen at start-up runs them.
 
-Two interchangeable backends with the same tensor-parallel semantics:
+Three interchangeable backends with the same tensor-parallel semantics:
 
 - `cpu` (`training.model.cpu_backend`): torch.distributed on gloo, autograd functions for the collectives. It is
   what the tests run; forward and backward equal single-process math.
 - `neuron` (`training.model.neuron_backend`): each name maps one-to-one onto neuronx-distributed and torch-xla.
+- `torch-native` (`training.model.native_backend`): native PyTorch, the layers' weights DTensors on a TP mesh
+  (`ColwiseParallel`, `RowwiseParallel`, `loss_parallel`), on TorchNeuron's `neuron` device or on the CPU.
 
 Each name is declared once, below, as a typed function with a docstring and a `@neuron(module, attribute)`
 line naming what it is on Trainium (a neuronx-distributed class or function, release 2.28). The declaration is
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from training.config.backends import BACKENDS, Backend
 from training.config.hardware import DEFAULT_GENERATION, Generation
@@ -125,7 +128,8 @@ def neuron(
 
 
 class ParallelBackend(Protocol):
-    """What a backend module provides; `training.model.cpu_backend` and `training.model.neuron_backend` conform."""
+    """What a backend module provides; `training.model.cpu_backend`, `training.model.neuron_backend` and
+    `training.model.native_backend` conform."""
 
     def initialize(self, tp: int, pp: int, options: Mapping[str, Any], generation: Generation) -> None: ...
     def destroy(self) -> None: ...
@@ -149,6 +153,10 @@ def _load(backend: Backend) -> ParallelBackend:
         from training.model import cpu_backend
 
         return cpu_backend
+    if backend == "torch-native":
+        from training.model import native_backend
+
+        return native_backend
     from training.model import neuron_backend
 
     return neuron_backend
@@ -345,12 +353,32 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             if parameter is None or parameter.device.type != "meta":
                 continue
             if id(parameter) not in made:
-                empty = torch.empty(parameter.shape, dtype=parameter.dtype, device=device)
+                empty = _empty_like(parameter, device)
                 storage = nn.Parameter(empty, parameter.requires_grad)
                 storage.__dict__.update({k: v for k, v in parameter.__dict__.items() if k != "requires_grad"})
                 made[id(parameter)] = (parameter, storage)
             module._parameters[name] = made[id(parameter)][1]
     _backend().complete_materialized(model)
+
+
+def _empty_like(parameter: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(parameter, DTensor):  # the torch-native backend's: storage for this rank's shard only
+        local = torch.empty(parameter.to_local().shape, dtype=parameter.dtype, device=device)
+        return DTensor.from_local(
+            local,
+            parameter.device_mesh,
+            parameter.placements,
+            run_check=False,
+            shape=parameter.shape,
+            stride=parameter.stride(),
+        )
+    return torch.empty(parameter.shape, dtype=parameter.dtype, device=device)
+
+
+def local_view(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter, sharing its storage: the tensor itself, or a DTensor's local tensor
+    (the torch-native backend's parallel weights), which is what the layouts' per-rank rules describe."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 # --- layers: neuronx-distributed's constructor arguments and semantics ------------------------------------

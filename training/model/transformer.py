@@ -726,4 +726,4 @@ def initialize_weights(model: CausalLM, seed: int) -> None:
                 sources = [initial_tensor(n, shapes[n], seed, model.config.initializer_range) for n in rule.sources]
                 if padding is not None and rule.sources == ("model.embed_tokens.weight",):
                     sources[0][padding] = 0  # as transformers initialises nn.Embedding(padding_idx=...)
-                parameters[rule.target].copy_(rule.split(sources, rank))
+                parallel.local_view(parameters[rule.target]).copy_(rule.split(sources, rank))

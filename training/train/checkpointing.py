@@ -161,7 +161,8 @@ def load_pretrained(directory: Path, config_path: Path, model: CausalLM) -> None
     if missing:
         raise UserError(f"model.pretrained {directory}: lacks {', '.join(sorted(missing)[:3])}")
     with torch.no_grad():
-        for name, parameter in state.items():
+        for name, tensor in state.items():
+            parameter = parallel.local_view(tensor)
             loaded = tensors[name].load()
             if tuple(loaded.shape) != tuple(parameter.shape):
                 raise UserError(

@@ -29,6 +29,7 @@ from training.formats.convert import ConvertOptions, convert
 from training.formats.layouts import ModelSpec, Parallelism, all_rules, default_kv_multiplier, hf_shapes
 from training.model import parallel
 from training.model.moe_dispatch import PREFIX_SUM_BLOCK, queue_positions
+from training.model.native_backend import CPU_MODE
 from training.model.transformer import Execution, build_model, initial_tensor
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
@@ -300,6 +301,9 @@ TP_CASES: dict[str, tuple[Callable[[Path], Path], dict[str, Any], dict[str, Any]
 }
 SWAPPED = "llama-tp4-swapped-query-heads"
 WORLD = 4
+# Every case again on the torch-native backend (DTensor layers on the CPU over gloo), in the same torchrun.
+NATIVE = "@torch-native"
+ALL_CASES = [*TP_CASES, *(name + NATIVE for name in TP_CASES)]
 
 
 def batches(tp: int) -> list[list[list[int]]]:
@@ -318,6 +322,8 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         nxd = to_nxd(source, root / name / "nxd", tp=tp, **convert_options)
         cases[name] = {"source": source, "nxd": nxd, "tp": tp, "options": model_options}
         plan.append({"name": name, "checkpoint": str(nxd), "tp": tp, "batches": batches(tp), **model_options})
+        cases[name + NATIVE] = cases[name]
+        plan.append({**plan[-1], "name": name + NATIVE, "backend": "torch-native"})
     # A checkpoint whose first two ranks swapped their query heads: it still round-trips, but must not load
     # into the same model.
     swapped = shutil.copytree(cases["llama-gqa-tp4-kv2"]["nxd"], root / SWAPPED)
@@ -328,10 +334,10 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         torch.save(state, swapped / "model" / f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_00.pt")
     plan.append({"name": SWAPPED, "checkpoint": str(swapped), "tp": 4, "batches": batches(4), "kv_multiplier": 2})
 
-    results = run_workers(WORKER, plan, root, WORLD, timeout=600, environment=LOCAL)
-    for name in [*TP_CASES, SWAPPED]:
+    results = run_workers(WORKER, plan, root, WORLD, timeout=600, environment={**LOCAL, CPU_MODE: "1"})
+    for name in [*ALL_CASES, SWAPPED]:
         ranks = [torch.load(results / name / f"rank_{r:02d}.pt", weights_only=True) for r in range(WORLD)]
-        cases.setdefault(name, {})["ranks"] = ranks
+        cases[name] = {**cases.get(name, {}), "ranks": ranks}
     return cases
 
 
@@ -351,7 +357,7 @@ def layout(case: dict[str, Any]) -> tuple[ModelSpec, Parallelism]:
     return spec, Parallelism(case["tp"], 1, multiplier, options.get("fuse_qkv", False), generation)
 
 
-@pytest.mark.parametrize("name", list(TP_CASES))
+@pytest.mark.parametrize("name", ALL_CASES)
 def test_tp_logits_losses_and_gradients_equal_transformers(name: str, tp_runs: dict[str, Any]) -> None:
     case = tp_runs[name]
     spec, parallelism = layout(case)
@@ -385,7 +391,7 @@ def test_replicated_kv_heads_hold_the_complete_gradient_on_every_replica(tp_runs
         assert stacked.abs().sum() > 0
 
 
-@pytest.mark.parametrize("name", list(TP_CASES))
+@pytest.mark.parametrize("name", ALL_CASES)
 def test_tp_state_dicts_are_the_converter_files_and_write_back(
     name: str, tp_runs: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -400,7 +406,7 @@ def test_tp_state_dicts_are_the_converter_files_and_write_back(
     assert_identical(hf_tensors(tmp_path / "back"), hf_tensors(case["source"]))
 
 
-@pytest.mark.parametrize("name", list(TP_CASES))
+@pytest.mark.parametrize("name", ALL_CASES)
 def test_seeded_initialisation_is_the_same_model_at_every_tp(name: str, tp_runs: dict[str, Any]) -> None:
     case = tp_runs[name]
     spec, parallelism = layout(case)

@@ -1,0 +1,194 @@
+"""torch-native backend of `training.model.parallel`: native PyTorch distributed (DTensor, FSDP2, pipelining) on
+the device TorchNeuron adds, `neuron` (trn2 and trn3), or on the CPU over gloo.
+
+The successor of the neuron backend: Neuron's NxD training APIs are in maintenance from Neuron 2.30, and its
+TorchNeuron package (`torch-neuronx` 2.13 / 2.14) runs PyTorch's own distributed stack on Trainium2 instead of
+torch-xla. The groups are the cpu backend's ([PP, DP, TP] row-major, as neuronx-distributed arranges them), and
+a `DeviceMesh` ("pp", "dp", "tp") is made of them: the layers (`training.model.native_layers`) place their
+weights on its "tp" dimension, FSDP2 shards over "dp" (`training.train.native_training`).
+
+Where it runs is explicit: on Neuron (device `neuron`, process group `neuron`, both registered by importing
+`torch_neuronx`), or on the CPU with `TORCH_NATIVE_CPU=1` (gloo): the same code, as Neuron's distributed guide
+recommends (run on CPU with gloo, then on Neuron, and compare).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from training.config.hardware import DEFAULT_GENERATION, Generation
+from training.config.loading import not_allowed
+from training.errors import UserError
+from training.model import cpu_backend, cpu_groups, native_layers
+from training.model.cpu_backend import (
+    add_step_closure,
+    init_on_device,
+    mark_step,
+    rendezvous,
+    set_tensor_model_parallel_attributes,
+)
+from training.model.cpu_collectives import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from training.model.cpu_groups import dp_group, dp_rank, dp_size, pp_group, pp_rank, pp_size, tp_group, tp_rank, tp_size
+from training.model.cpu_layers import apply_activation_checkpointing
+from training.model.native_layers import (
+    ColumnParallelLinear,
+    GQAQKVColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallelLinear,
+    vocab_parallel_cross_entropy,
+)
+
+if TYPE_CHECKING:
+    from training.model.parallel import Declaration
+
+LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding, GQAQKVColumnParallelLinear)
+CPU_MODE = "TORCH_NATIVE_CPU"  # "1": run on the CPU over gloo (tests, and the comparison run Neuron recommends)
+NEURON_GENERATIONS: tuple[Generation, ...] = ("trn2",)  # TorchNeuron supports trn2 and trn3, not trn1
+
+__all__ = [
+    "ColumnParallelLinear",
+    "GQAQKVColumnParallelLinear",
+    "ParallelEmbedding",
+    "RowParallelLinear",
+    "add_step_closure",
+    "apply_activation_checkpointing",
+    "copy_to_tensor_model_parallel_region",
+    "dp_group",
+    "dp_rank",
+    "dp_size",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "init_on_device",
+    "mark_step",
+    "move_model_to_device",
+    "pp_group",
+    "pp_rank",
+    "pp_size",
+    "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "rendezvous",
+    "scatter_to_tensor_model_parallel_region",
+    "set_tensor_model_parallel_attributes",
+    "tp_group",
+    "tp_rank",
+    "tp_size",
+    "vocab_parallel_cross_entropy",
+]
+
+_mesh: DeviceMesh | None = None
+
+
+def cpu_mode() -> bool:
+    return os.environ.get(CPU_MODE) == "1"
+
+
+def device_type() -> str:
+    return "cpu" if cpu_mode() else "neuron"
+
+
+def initialize(tp: int, pp: int, options: Mapping[str, Any], generation: Generation = DEFAULT_GENERATION) -> None:
+    """The world (gloo on the CPU, `neuron` on Trainium), the cpu backend's groups, and the mesh made of them."""
+    global _mesh
+    if not cpu_mode():
+        _start_neuron_world(generation)
+    cpu_groups.initialize(tp, pp, options, generation)
+    grid = torch.arange(dist.get_world_size()).reshape(pp, dp_size(), tp)
+    _mesh = DeviceMesh.from_group(
+        [pp_group(), dp_group(), tp_group()], device_type(), grid, mesh_dim_names=("pp", "dp", "tp")
+    )
+    native_layers.use_mesh(_mesh["tp"])
+
+
+def _start_neuron_world(generation: Generation) -> None:
+    if generation not in NEURON_GENERATIONS:
+        allowed = (
+            f"{', '.join(NEURON_GENERATIONS)} (TorchNeuron runs on Trainium2 and later; trn1 trains on backend neuron)"
+        )
+        raise UserError(not_allowed("generation", generation, allowed))
+    try:
+        importlib.import_module("torch_neuronx")  # registers the `neuron` device and process-group backend
+    except ImportError as error:
+        raise UserError(
+            f"backend torch-native: torch_neuronx is not installed ({error}); allowed: a trn2 queue's TorchNeuron "
+            f"software, or {CPU_MODE}=1 to run on the CPU over gloo"
+        ) from None
+    if not dist.is_initialized():
+        dist.init_process_group("neuron")
+
+
+def mesh() -> DeviceMesh:
+    """The ("pp", "dp", "tp") mesh of the initialized world."""
+    assert _mesh is not None, "the torch-native parallel backend is not initialized"
+    return _mesh
+
+
+def destroy() -> None:
+    global _mesh
+    native_layers.use_mesh(None)
+    _mesh = None
+    cpu_groups.destroy()
+
+
+def resolve(declaration: Declaration) -> Callable[..., Any]:
+    """The namesake of a declared facade name: this module's, else the cpu backend's (the same semantics)."""
+    implementation: Callable[..., Any] = globals().get(declaration.name) or cpu_backend.resolve(declaration)
+    return implementation
+
+
+def device() -> torch.device:
+    return torch.device(device_type())
+
+
+def complete_materialized(model: nn.Module) -> None:
+    """Nothing: the DTensor layers set nothing up when they initialise."""
+
+
+def move_model_to_device(model: nn.Module, device: torch.device) -> None:
+    """`model.to(device)`, then the DTensor layers' gradient hooks (`native_layers.place_gradients`) on the
+    parameters as they are now: every model is built with this call last."""
+    model.to(device)
+    for module in model.modules():
+        if isinstance(module, LAYERS):
+            native_layers.place_gradients(module)
+
+
+def nki_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    /,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    mixed_precision: bool = True,
+    transpose_nki_inputs: bool = True,
+) -> torch.Tensor:
+    """torch's scaled-dot-product attention: its flash kernel on the CPU (the cpu backend's), the device's own
+    kernel on Neuron (TorchNeuron lowers SDPA)."""
+    if cpu_mode():
+        return cpu_backend.nki_flash_attn_func(
+            q,
+            k,
+            v,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            mixed_precision=mixed_precision,
+            transpose_nki_inputs=transpose_nki_inputs,
+        )
+    if transpose_nki_inputs:
+        q, k, v = (t.transpose(-1, -2) for t in (q, k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
