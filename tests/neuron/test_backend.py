@@ -414,3 +414,56 @@ def test_zero1_keeps_each_regimes_dtypes(
         assert len(moments) == 2 * len(shards) and {t.dtype for t in moments} == {expected}
     finally:
         parallel.destroy()
+
+
+# The main environment's interpreter: the torch-native backend runs on the torch TorchNeuron is built for (2.13),
+# not on this tier's NxD lock (torch 2.9). `make test` builds it before the tier runs.
+ROOT = Path(__file__).resolve().parents[2]
+MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
+CONTINUED_STEPS = 3
+
+
+def test_an_nxd_trained_checkpoint_continues_on_torch_native(
+    worlds: dict[str, dict[str, Path]], runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The neuron backend's trained Llama (NxD's layers, optimizer and checkpoint) goes through Hugging Face to the
+    torch-native backend, which continues it with the losses the cpu backend (the reference both backends equal)
+    computes from the same weights."""
+    world = worlds["llama"]
+    hf = tmp_path / "hf"
+    config = world["hf"] / "config.json"
+    convert(
+        ConvertOptions(source_format="nxd", target_format="hf", input=runs["llama-neuron"], output=hf, config=config)
+    )
+    pretrained = tmp_path / "pretrained"
+    convert(ConvertOptions(source_format="hf", target_format="nxd", input=hf, output=pretrained, tp=1))
+    continued: dict[str, list[dict[str, Any]]] = {}
+    for backend in ("cpu", "torch-native"):
+        checkpoints = tmp_path / backend
+        overrides = [
+            f"model.config={world['hf']}",
+            f"model.pretrained={pretrained}",
+            f"data.path={world['data']}",
+            f"checkpoint.dir={checkpoints}",
+            "parallelism.tp=1",
+            "parallelism.pp=1",
+            f"steps={CONTINUED_STEPS}",
+            "batch.global=8",
+            "batch.micro=2",
+            "precision=fp32",
+            f"backend={backend}",
+        ]
+        command = [str(MAIN_PYTHON), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+        command += ["-m", "training", "train", "--recipe", RECIPES["llama"], *overrides]
+        # the main environment's own packages and this checkout, none of this tier's stand-ins
+        environment = {**os.environ, "TORCH_NATIVE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=600, check=False, env=environment, cwd=ROOT
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        continued[backend] = metrics(checkpoints)
+    first_trained = metrics(runs["llama-neuron"])[0]["loss"]
+    assert continued["cpu"][0]["loss"] < first_trained  # it continues the trained model, not the pretrained one
+    for expected, actual in zip(continued["cpu"], continued["torch-native"], strict=True):
+        assert actual["loss"] == pytest.approx(expected["loss"], rel=TOLERANCE), (expected, actual)
+        assert actual["grad_norm"] == pytest.approx(expected["grad_norm"], rel=TOLERANCE), (expected, actual)

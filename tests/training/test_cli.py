@@ -212,4 +212,4 @@ def test_every_problem_of_a_recipe_is_its_own_error_line(capsys: pytest.CaptureF
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), lines
     assert lines[0].endswith("tiny-llama-cpt.yaml: steps: 0 is not allowed; allowed: an integer above 0")
-    assert lines[1].endswith("tiny-llama-cpt.yaml: backend: 'gpu' is not allowed; allowed: cpu, neuron")
+    assert lines[1].endswith("tiny-llama-cpt.yaml: backend: 'gpu' is not allowed; allowed: cpu, neuron, torch-native")

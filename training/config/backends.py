@@ -31,6 +31,8 @@ class BackendFacts:
     # The flash kernel reads q, k, v as [B, heads, head_dim, S] (the NKI kernel's layout, which NxD's wrapper
     # passes through untransposed), else as [B, heads, S, head_dim] (torch's kernel: head_dim contiguous).
     flash_reads_transposed: bool = False
+    # Data parallelism shards parameters, gradients and optimizer state (FSDP2), not only the optimizer (ZeRO-1).
+    fully_sharded: bool = False
 
 
 # The neuron backend compiles static graphs (so the dense dispatch), and NKI's flash attention kernel takes
@@ -42,7 +44,7 @@ FACTS: dict[Backend, BackendFacts] = {
     ),
     # Eager PyTorch on Neuron (TorchNeuron) or on the CPU: dynamic shapes run as they come (a compiled run asks
     # for a static dispatch: `training.config.recipe`); torch's SDPA takes q, k, v with head_dim contiguous.
-    "torch-native": BackendFacts(moe_dispatch="sparse", on_trainium=True),
+    "torch-native": BackendFacts(moe_dispatch="sparse", on_trainium=True, fully_sharded=True),
 }
 
 

@@ -510,6 +510,15 @@ def validate(recipe: Recipe) -> list[str]:
                 "(bf16-mixed keeps its fp32 master weights in ZeRO-1's shards)",
             )
         )
+    if recipe.backend == "torch-native" and recipe.precision == "bf16-sr":
+        problems.append(
+            not_allowed(
+                "precision",
+                recipe.precision,
+                "fp32 or bf16-mixed on backend torch-native (FSDP2's mixed precision: bf16 compute, fp32 masters "
+                "and reduction; stochastic rounding is neuronx-distributed's optimizer's)",
+            )
+        )
     if recipe.parallelism.sequence_parallel and recipe.batch.seq_len % recipe.parallelism.tp:
         problems.append(
             not_allowed(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import re
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import torch
 from training.config.hardware import DEFAULT_GENERATION, GENERATIONS, Generation
 from training.config.model import Format, ModelSpec, Parallelism, check_parallelism
 from training.errors import UserError
+from training.formats.distributed import is_distributed, write_nxd_view
 from training.formats.hf import hf_names_in_order, read_config, state_dict_in
 from training.formats.layouts import Chunk, Concatenate, Fuse, Rule, Unfuse, all_rules, hf_shapes
 from training.formats.lazy import CheckpointError, FileRange, LazyTensor, lazy_tensors, read_into, release_mappings
@@ -63,6 +65,11 @@ def nemo_rank_file(directory: Path, tp: int, pp: int, pipeline: int) -> Path:
     return directory / folder / "model_optim_rng.ckpt"
 
 
+def _holds_weights(directory: Path) -> bool:
+    """NxD rank files, or a torch-native Distributed Checkpoint (`training.formats.distributed`)."""
+    return (directory / "model").is_dir() or (directory / "dcp" / ".metadata").is_file()
+
+
 def resolve_nxd_directory(directory: Path, *, force: bool) -> Path:
     """A directory holding `model/`: given directly, a `step_N` of a training run, or the run's root."""
     if not directory.is_dir():
@@ -71,10 +78,10 @@ def resolve_nxd_directory(directory: Path, *, force: bool) -> Path:
         raise UserError(
             f"{directory}: checkpoint has no 'done' marker (incomplete save?); pass --force to read it anyway"
         )
-    if (directory / "model").is_dir():
+    if _holds_weights(directory):
         return directory
     steps = sorted(
-        (int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_DIR.match(p.name)) and (p / "model").is_dir()
+        (int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_DIR.match(p.name)) and _holds_weights(p)
     )
     complete = [p for _, p in steps if (p / "done").exists() or force]
     if complete:
@@ -106,6 +113,12 @@ class ShardedSource:
         self.layout = layout
         self.generation = generation
         self.directory = resolve_nxd_directory(directory, force=force) if layout == "nxd" else directory
+        self._view: tempfile.TemporaryDirectory[str] | None = None
+        if layout == "nxd" and is_distributed(self.directory):  # a torch-native checkpoint: its NxD rank files
+            self._view = tempfile.TemporaryDirectory(prefix="nxd-view-")
+            if config_override is None and not (self.directory / "config.json").is_file():
+                raise UserError(f"{self.directory}: a training checkpoint holds no config.json; pass --config")
+            self.directory = write_nxd_view(self.directory, Path(self._view.name))
         if layout == "nemo" and not directory.is_dir():
             raise UserError(f"{directory}: no such directory")
         self.config, self.config_path = read_config(self.directory, config_override)

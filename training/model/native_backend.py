@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from training.config.hardware import DEFAULT_GENERATION, Generation
 from training.config.loading import not_allowed
@@ -67,21 +68,27 @@ __all__ = [
     "RowParallelLinear",
     "add_step_closure",
     "apply_activation_checkpointing",
+    "complete_materialized",
     "copy_to_tensor_model_parallel_region",
+    "destroy",
+    "device",
     "dp_group",
     "dp_rank",
     "dp_size",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "init_on_device",
+    "initialize",
     "mark_step",
     "move_model_to_device",
+    "nki_flash_attn_func",
     "pp_group",
     "pp_rank",
     "pp_size",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "rendezvous",
+    "resolve",
     "scatter_to_tensor_model_parallel_region",
     "set_tensor_model_parallel_attributes",
     "tp_group",
@@ -159,9 +166,18 @@ def complete_materialized(model: nn.Module) -> None:
 
 
 def move_model_to_device(model: nn.Module, device: torch.device) -> None:
-    """`model.to(device)`, then the DTensor layers' gradient hooks (`native_layers.place_gradients`) on the
-    parameters as they are now: every model is built with this call last."""
+    """`model.to(device)`; every other tensor-parallel parameter (one `set_tensor_model_parallel_attributes`
+    marked: the MoE experts) placed as a DTensor `Shard(partition_dim)` too, so FSDP2, the norm and Distributed
+    Checkpoint see every shard as one; then the gradient hooks (`native_layers.place_gradients`) on the
+    parameters as they are now. Every model is built with this call last."""
     model.to(device)
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if getattr(parameter, "tensor_model_parallel", False) and not isinstance(parameter, DTensor):
+                placed = native_layers.distributed(parameter.data, Shard(parameter.partition_dim))  # type: ignore[attr-defined]
+                placed.__dict__.update(parameter.__dict__)
+                setattr(module, name, placed)
+                native_layers.place_gradients(module)
     for module in model.modules():
         if isinstance(module, LAYERS):
             native_layers.place_gradients(module)

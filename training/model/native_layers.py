@@ -93,7 +93,7 @@ def finish_parameters(module: nn.Module) -> None:
                     stride=parameter.stride(),
                 )
 
-    module.register_load_state_dict_pre_hook(wrap)
+    module.register_load_state_dict_pre_hook(wrap)  # type: ignore[no-untyped-call]
 
 
 def place_gradients(module: nn.Module) -> None:
@@ -103,9 +103,9 @@ def place_gradients(module: nn.Module) -> None:
     gradient placed as its weight. (A tensor hook is not called for these leaves; the post-accumulate one is.)"""
     for parameter in module.parameters(recurse=False):
         if isinstance(parameter, DTensor):
-            parameter.register_post_accumulate_grad_hook(_place_as_parameter)
+            parameter.register_post_accumulate_grad_hook(_place_as_parameter)  # type: ignore[no-untyped-call]
     if isinstance(module, ParallelEmbedding) and module.local_padding is not None:
-        module.weight.register_post_accumulate_grad_hook(module.without_padding_gradient)
+        module.weight.register_post_accumulate_grad_hook(module.without_padding_gradient)  # type: ignore[no-untyped-call]
 
 
 def _place_as_parameter(parameter: torch.Tensor) -> None:
@@ -289,7 +289,7 @@ class GQAQKVColumnParallelLinear(nn.Module):
             fused = getattr(self, f"{prefix}_qkv")
             if fused is None:
                 return [None] * 3
-            return list(_local_of(fused).split([self.q_size, self.kv_size, self.kv_size]))
+            return list(_local_of(fused).split([self.q_size, self.kv_size, self.kv_size]))  # type: ignore[no-untyped-call]
         return [
             None if getattr(self, f"{prefix}_{n}") is None else _local_of(getattr(self, f"{prefix}_{n}")) for n in "qkv"
         ]

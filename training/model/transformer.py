@@ -373,7 +373,8 @@ class MoE(nn.Module):
             local = parallel.copy_to_tensor_model_parallel_region(tokens)
             weights = parallel.copy_to_tensor_model_parallel_region(top_weights)
         experts = self.expert_mlps.mlp_op
-        routed = Routed(local, weights, top_experts, experts.gate_up_proj.weight, experts.down_proj.weight)
+        gate_up, down = (parallel.local_view(w.weight) for w in (experts.gate_up_proj, experts.down_proj))
+        routed = Routed(local, weights, top_experts, gate_up, down)
         partial, self.dropped = self.run_experts(routed, self.activation, self.capacity_factor)
         if self.sequence_parallel:
             return parallel.reduce_scatter_to_sequence_parallel_region(partial).view(shape), logits

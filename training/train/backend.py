@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 IMPLEMENTATIONS: dict[Backend, str] = {
     "cpu": "training.train.cpu_training",
     "neuron": "training.train.neuron_training",
+    "torch-native": "training.train.native_training",
 }
 
 

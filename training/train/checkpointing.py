@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from training.errors import UserError
-from training.formats.lazy import CheckpointError
+from training.formats.lazy import CheckpointError, shown
 from training.formats.sharded import STEP_DIR, ShardedSource
 from training.model import parallel
 from training.model.transformer import CausalLM
@@ -129,6 +129,51 @@ def load_mapping(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise UserError(f"{path}: holds a {type(value).__name__}; allowed: a dict, {what}")
     return value
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized() and parallel.world_size() > 1:
+        torch.distributed.barrier()
+
+
+def start_saving(directory: Path, step: int) -> Path:
+    """`step`'s directory, emptied of what a run killed while saving it left (never marked done); every rank
+    waits for that before writing."""
+    target = step_directory(directory, step)
+    if parallel.world_rank() == 0 and target.exists():
+        shutil.rmtree(target)
+    barrier()
+    return target
+
+
+def finish_saving(
+    directory: Path, target: Path, schedule: dict[str, Any], user_content: dict[str, Any], keep_last: int
+) -> None:
+    """What every backend's checkpoint holds beside its rank files (the random generators, the schedule, the
+    run's position), then, once every rank has written, the `done` marker, `newest` and the pruning."""
+    save_rng(target)
+    if parallel.world_rank() == 0:
+        save_atomically(schedule, target / "scheduler.pt")
+        save_atomically(user_content, target / "user_content.pt")
+    barrier()
+    if parallel.world_rank() == 0:
+        (target / DONE).write_text("1\n")
+        (directory / "newest").write_text(f"{target.name}\n")
+        prune(directory, keep_last)
+    barrier()
+
+
+def read_position(target: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The schedule's state and the run's position (user content) of a checkpoint, both checked."""
+    scheduler_state = load_mapping(target / "scheduler.pt", "the schedule's state ({'last_epoch': step})")
+    content = load_mapping(target / "user_content.pt", "the run's position ({'step': step, ...})")
+    for path, state, key in (
+        (target / "scheduler.pt", scheduler_state, "last_epoch"),
+        (target / "user_content.pt", content, "step"),
+    ):
+        if type(state.get(key)) is not int or state[key] < 0:
+            raise UserError(f"{path}: {key}: {shown(state.get(key))} is not allowed; allowed: a step number, 0 or more")
+    return scheduler_state, content
 
 
 def load_pretrained(directory: Path, config_path: Path, model: CausalLM) -> None:

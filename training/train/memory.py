@@ -6,7 +6,10 @@ Pure arithmetic, torch-free (it also runs at `cdk synth`). Per core, for one tra
   replicated K/V heads included) and the precision regime (`training.config.precision`):
   bf16-mixed 2 + 4 + 16/DP bytes a parameter (bf16 weight, fp32 gradient accumulation, ZeRO-1 shard of the
   fp32 master weight, both AdamW moments and the reduce-scattered fp32 gradient); bf16-sr 2 + 2 + 8/DP;
-  fp32 4 + 4 + 16/DP (without ZeRO-1 the moments alone, unsharded);
+  fp32 4 + 4 + 16/DP (without ZeRO-1 the moments alone, unsharded); on a fully sharded backend (FSDP2: the
+  torch-native backend) 4/DP + 4/DP + 8/DP (the fp32 parameter, its fp32 gradient and both moments, all
+  sharded), plus the units FSDP2 holds gathered at once (the current layer and the prefetched one: their
+  weights and unreduced gradients in the compute dtype);
 - activations: what autograd keeps for backward, term by term from what this project's layers save (the
   same operations as neuronx-distributed's: tests/training/train/test_memory.py holds the terms to within 10 %
   of the bytes measured on tiny models), for every layer of the stage and every micro batch in flight;
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.config.backends import MoeDispatch, default_moe_dispatch, flash_attention_fits
+from training.config.backends import FACTS, MoeDispatch, default_moe_dispatch, flash_attention_fits
 from training.config.hardware import DEFAULT_HARDWARE, Hardware
 from training.config.model import (
     ActivationCheckpointing,
@@ -59,6 +62,7 @@ class Workload:
     flash_attention: bool = False
     precision: Precision = "bf16-mixed"
     zero1: bool = True
+    fsdp: bool = False  # FSDP2 shards parameters, gradients and optimizer state over DP (and zero1 is off)
     micro: int = 1
     seq_len: int = 2048
     accumulation: int = 1  # micro batches per step on each data-parallel rank
@@ -86,12 +90,23 @@ def parameters_per_core(w: Workload) -> int:
 
 def state_bytes_per_parameter(w: Workload) -> dict[str, float]:
     """Bytes a parameter costs in weights, gradients and optimizer state (see the module docstring)."""
+    if w.fsdp:
+        return {"weights": 4 / w.dp, "gradients": 4 / w.dp, "optimizer state": 8 / w.dp}
     weight = 2 if w.precision != "fp32" else 4
     optimizer_dtype = 2 if w.precision == "bf16-sr" else 4
     gradient = 2 if w.precision == "bf16-sr" else 4
     # ZeRO-1's shard: the weight in the optimizer's dtype, two moments, the reduced gradient; else the moments
     optimizer = 4 * optimizer_dtype / w.dp if w.zero1 else 2 * optimizer_dtype
     return {"weights": weight, "gradients": gradient, "optimizer state": optimizer}
+
+
+FSDP_UNITS_GATHERED = 2  # the layer computing and the one prefetched
+
+
+def gathered_unit_bytes(w: Workload) -> int:
+    """FSDP2's gathered layers: weights and their unreduced gradients in the compute dtype."""
+    compute = 2 if w.precision == "bf16-mixed" else 4
+    return FSDP_UNITS_GATHERED * layer_parameters_per_core(w) * 2 * compute
 
 
 # --- activations ---------------------------------------------------------------------------------------
@@ -224,6 +239,8 @@ def plan(w: Workload, hardware: Hardware = DEFAULT_HARDWARE) -> MemoryPlan:
     parameters = parameters_per_core(w)
     per_parameter = state_bytes_per_parameter(w)
     breakdown = {name: parameters * size for name, size in per_parameter.items()}
+    if w.fsdp:
+        breakdown["gathered units"] = float(gathered_unit_bytes(w))
     breakdown["activations"] = float(in_flight(w) * saved_activation_bytes(w))
     breakdown["logits"] = float(logits_bytes(w))
     breakdown["backward working set"] = float(layer_activation_bytes(w, "none"))
@@ -327,13 +344,20 @@ def workload_of(
         activation_checkpointing=recipe.memory.activation_checkpointing,
         flash_attention=recipe.memory.flash_attention,
         precision=recipe.precision,
-        zero1=recipe.optimizer.zero1 and dp > 1,  # what the training job runs (`zero1_where_it_shards`)
+        # what the training job runs: FSDP2 where it shards or casts (`training.train.native_training`), else
+        # ZeRO-1 where it shards (`zero1_where_it_shards`)
+        fsdp=fully_sharded(recipe, dp),
+        zero1=recipe.optimizer.zero1 and dp > 1 and not fully_sharded(recipe, dp),
         micro=recipe.batch.micro,
         seq_len=recipe.batch.seq_len,
         accumulation=max(1, recipe.batch.global_batch // (recipe.batch.micro * dp)),
         moe_dispatch=moe_dispatch_of(recipe),
         capacity_factor=recipe.moe.capacity_factor,
     )
+
+
+def fully_sharded(recipe: Recipe, dp: int) -> bool:
+    return FACTS[recipe.backend].fully_sharded and (dp > 1 or recipe.precision != "fp32")
 
 
 def moe_dispatch_of(recipe: Recipe) -> MoeDispatch:
@@ -419,7 +443,7 @@ def report(recipe: Recipe, hardware: Hardware, config: ModelConfig | None = None
     }
     settings = [
         f"{w.precision}",
-        "ZeRO-1" if w.zero1 else "no ZeRO-1",
+        "FSDP2" if w.fsdp else "ZeRO-1" if w.zero1 else "no ZeRO-1",
         "sequence parallel" if w.sequence_parallel else "no sequence parallel",
         f"{w.activation_checkpointing} checkpointing",
         "flash attention" if w.flash_attention else "no flash attention",

@@ -55,7 +55,7 @@ def test_every_problem_is_reported_at_once_one_line_each(tmp_path: Path) -> None
     assert str(caught.value).splitlines() == [
         f"{label}: optimizer.momentum: unknown key; allowed keys here: lr, betas, eps, weight_decay, grad_clip, zero1",
         f"{label}: steps: 'ten' is not allowed; allowed: an integer",
-        f"{label}: backend: 'gpu' is not allowed; allowed: cpu, neuron",
+        f"{label}: backend: 'gpu' is not allowed; allowed: cpu, neuron, torch-native",
     ]
     missing = tmp_path / "r.yaml"
     missing.write_text("name: x\n")

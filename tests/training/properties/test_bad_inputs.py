@@ -90,7 +90,7 @@ CASES: dict[str, Bad] = {
     "recipe unknown": Bad("train --recipe gpt-5", "allowed: a recipe file or a bundled recipe"),
     "override without =": Bad(train("steps"), "allowed: section.key=value"),
     "override of an unknown key": Bad(train("optimizer.momentum=0.9"), "optimizer.momentum: unknown key"),
-    "backend unknown": Bad(train("backend=gpu"), "backend: 'gpu' is not allowed; allowed: cpu, neuron"),
+    "backend unknown": Bad(train("backend=gpu"), "backend: 'gpu' is not allowed; allowed: cpu, neuron, torch-native"),
     "steps not a number": Bad(train("steps=ten"), "steps: 'ten' is not allowed; allowed: an integer"),
     "checkpoint.dir is a file": Bad(
         "train --recipe tiny-llama-cpt model.config={world}/hf model.pretrained= data.path={world}/data "

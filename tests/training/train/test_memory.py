@@ -30,11 +30,13 @@ from training.train.memory import (
     REQUIRED_HEADROOM,
     Workload,
     cheapest_fix,
+    layer_parameters_per_core,
     model_config,
     parameters_per_core,
     plan,
     refusal,
     saved_activation_bytes,
+    state_bytes_per_parameter,
     workload_of,
 )
 from training.train.optimizer import zero1_where_it_shards
@@ -361,3 +363,26 @@ def test_checkpointing_keeps_less_as_planned(model: str, measured: dict[str, Any
     for less, more in (("selective", "none"), ("full", "selective")):
         measured_drop, planned_drop = kept[more][0] - kept[less][0], kept[more][1] - kept[less][1]
         assert planned_drop == pytest.approx(measured_drop, rel=TOLERANCE)
+
+
+def test_fsdp2_shards_what_zero1_shards_and_more() -> None:
+    """On the torch-native backend the planner counts FSDP2: the fp32 parameter, gradient and both moments all
+    sharded over DP (16/DP bytes a parameter), plus the two gathered layers; ZeRO-1 keeps bf16 weights and fp32
+    gradients whole on every rank."""
+    zero1 = load_recipe("llama31-8b-cpt")
+    native = load_recipe("llama31-8b-cpt", ["backend=torch-native"])
+    config = model_config(zero1)
+    assert config is not None
+    w_zero1 = workload_of(zero1, config, DEFAULT_HARDWARE)
+    w_native = workload_of(native, config, DEFAULT_HARDWARE)
+    assert w_native.fsdp and not w_native.zero1 and w_zero1.zero1 and not w_zero1.fsdp
+    assert sum(state_bytes_per_parameter(w_native).values()) == 16 / w_native.dp
+    assert sum(state_bytes_per_parameter(w_native).values()) < sum(state_bytes_per_parameter(w_zero1).values())
+    planned = plan(w_native, DEFAULT_HARDWARE)
+    layer = layer_parameters_per_core(w_native)
+    assert planned.breakdown["gathered units"] == 2 * layer * 2 * 2  # two layers, weights and gradients, bf16
+    assert planned.total < plan(w_zero1, DEFAULT_HARDWARE).total
+    # one fp32 replica has nothing to shard or cast: the backend runs without FSDP2, and the plan says so
+    single = load_recipe("llama31-8b-cpt", ["backend=torch-native", "precision=fp32", "nodes=1"])
+    assert workload_of(single, config, DEFAULT_HARDWARE, processes_per_node=32).dp == 1
+    assert not workload_of(single, config, DEFAULT_HARDWARE, processes_per_node=32).fsdp

@@ -1,0 +1,242 @@
+"""The torch-native backend's training services (`training.train.backend.TrainingBackend`): FSDP2, torch's AdamW,
+Distributed Checkpoint.
+
+Data parallelism is FSDP2 (`fully_shard` over the mesh's "dp" dimension, each decoder layer a unit and the
+model the root): parameters, gradients and optimizer state are sharded over the data-parallel ranks, which is
+what ZeRO-1 shards and more (one fp32 replica has nothing to shard or cast: no FSDP2 then). Its mixed-precision
+policy maps the recipe's regimes: `fp32` none, `bf16-mixed` bf16 parameters for compute with fp32 sharded
+masters and an fp32 gradient reduction; `bf16-sr` (bf16 weights rounded stochastically, a neuronx-distributed
+optimizer feature) is refused by the recipe on this backend.
+
+The gradient norm and clipping follow the cpu backend's rules (sharded parameters summed over TP, replicated
+ones once, stages summed), on each rank's local shards, summed over the data-parallel ranks FSDP2 spreads them
+over. Pipeline stages exchange activations with the 1F1B schedule the cpu backend runs too, over
+torch.distributed point-to-point messages (`training.train.p2p_schedule`).
+
+Checkpoints are Distributed Checkpoint directories (`step_N/dcp/`: every rank writes its shards, resharded on
+load to any layout), beside the shared layout's schedule, run position and random generators
+(`training.train.checkpointing`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as load_distributed
+from torch.distributed.checkpoint.state_dict_saver import save as save_distributed
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from training.config.backends import Backend
+from training.config.model import ModelSpec, Parallelism
+from training.config.recipe import OptimizerSection, Precision, Recipe
+from training.errors import UserError
+from training.formats.distributed import DCP_DIRECTORY, TP_LAYOUT, tp_layout
+from training.formats.layouts import replicated_targets
+from training.model import native_backend, parallel
+from training.model.transformer import CausalLM, DecoderLayer
+from training.train.backend import TrainingBackend
+from training.train.checkpointing import (
+    finish_saving,
+    read_position,
+    restore_rng_of,
+    start_saving,
+    step_directory,
+)
+from training.train.cpu_precision import MasterWeights
+from training.train.optimizer import TrainingOptimizer
+from training.train.p2p_schedule import OneFOneB
+from training.train.pp_schedule import PPSchedule, carry_shape
+
+
+def tp_dimension(tensor: torch.Tensor) -> int | None:
+    """The dimension a parameter's TP shards split (its placement on the mesh's "tp" dimension); None when
+    every TP rank holds all of it."""
+    if not isinstance(tensor, DTensor):
+        return None
+    names = tensor.device_mesh.mesh_dim_names or ()
+    placement = tensor.placements[names.index("tp")] if "tp" in names else None
+    return placement.dim if isinstance(placement, Shard) else None
+
+
+def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a recipe's precision regime (module docstring)."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_data_parallel(model: CausalLM, precision: Precision) -> None:
+    """`fully_shard` each decoder layer, then the model, over the "dp" mesh dimension; under bf16-mixed the
+    sharded parameters are fp32 (the masters) and FSDP2 casts them to bf16 for compute."""
+    if precision == "bf16-mixed":
+        model.float()
+    mesh, policy = native_backend.mesh()["dp"], mixed_precision(precision)
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+class NativeOptimizer:
+    """torch's AdamW over the FSDP2-sharded parameters, clipped by the model's global gradient norm."""
+
+    master: MasterWeights | None = None  # FSDP2 keeps the fp32 masters (its sharded parameters) under bf16-mixed
+
+    def __init__(
+        self, model: CausalLM, groups: list[dict[str, Any]], settings: OptimizerSection, *, precision: Precision
+    ) -> None:
+        self.model, self.settings = model, settings
+        names = {id(p): n for n, p in model.named_parameters()}
+        group_names = [[names[id(p)] for p in group["params"]] for group in groups]
+        sequence_parallel = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel_enabled", False)}
+        if parallel.dp_size() > 1 or precision != "fp32":  # one replica in fp32: nothing to shard or cast (as
+            # the planner counts it: `training.train.memory.fully_sharded`)
+            shard_data_parallel(model, precision)
+        parameters = dict(model.named_parameters())  # FSDP2's sharded parameters, under the same names
+        groups = [{**g, "params": [parameters[n] for n in ns]} for g, ns in zip(groups, group_names, strict=True)]
+        self.inner: Any = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
+        replicated = replicated_targets(model.spec, model.parallelism, "nxd")
+        tp = parallel.tp_size()
+        self.sharded = [p for n, p in parameters.items() if n not in replicated or tp == 1]
+        self.replicated = [p for n, p in parameters.items() if n in replicated and tp > 1]
+        self.sequence_parallel = [parameters[n] for n in sorted(sequence_parallel)]
+
+    def step(self) -> torch.Tensor:
+        if parallel.tp_size() > 1:  # a norm or router used on this rank's sequence slice: summed over TP
+            for parameter in self.sequence_parallel:
+                if parameter.grad is not None:
+                    dist.all_reduce(parallel.local_view(parameter.grad), group=parallel.tp_group())
+        norm = torch.tensor(self._clip(), dtype=torch.float64)
+        self.inner.step()
+        return norm
+
+    def _clip(self) -> float:
+        """The cpu backend's global L2 norm, from each rank's local shards (FSDP2 spreads them over DP)."""
+
+        def squares(parameters: list[nn.Parameter]) -> torch.Tensor:
+            total = torch.zeros((), dtype=torch.float64)
+            for parameter in parameters:
+                if parameter.grad is not None:
+                    total += parallel.local_view(parameter.grad).detach().double().pow(2).sum().cpu()
+            return total
+
+        sharded, replicated = squares(self.sharded), squares(self.replicated)
+        if parallel.dp_size() > 1:
+            both = torch.stack([sharded, replicated])
+            dist.all_reduce(both, group=parallel.dp_group())
+            sharded, replicated = both[0], both[1]
+        if parallel.tp_size() > 1:
+            dist.all_reduce(sharded, group=parallel.tp_group())
+        stage = sharded + replicated
+        if parallel.pp_size() > 1:
+            dist.all_reduce(stage, group=parallel.pp_group())
+        norm = float(stage.sqrt())
+        if self.settings.grad_clip > 0 and norm > self.settings.grad_clip:
+            scale = self.settings.grad_clip / (norm + 1e-6)
+            for parameter in self.sharded + self.replicated:
+                if parameter.grad is not None:
+                    parallel.local_view(parameter.grad).mul_(scale)
+        return norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(get_optimizer_state_dict(self.model, self.inner))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.inner, state)
+
+
+class NativeTraining:
+    """The torch-native backend's `TrainingBackend` (module docstring)."""
+
+    name: Backend = "torch-native"
+    compiles_graphs = False  # eager
+
+    def check_layout(self, spec: ModelSpec, parallelism: Parallelism) -> None:
+        """Any layout the configuration allows runs here (the generation is checked where the world starts)."""
+
+    def parallel_options(self, recipe: Recipe) -> dict[str, Any]:
+        return {}
+
+    def pp_schedule(self, model: CausalLM, micro_batches: int, micro: int, seq_len: int, *, zero1: bool) -> PPSchedule:
+        return OneFOneB(model, carry_shape(model, micro, seq_len))
+
+    def optimizer(
+        self,
+        model: CausalLM,
+        groups: list[dict[str, Any]],
+        settings: OptimizerSection,
+        *,
+        precision: Precision,
+        seed: int,
+    ) -> NativeOptimizer:
+        return NativeOptimizer(model, groups, settings, precision=precision)
+
+    def save_checkpoint(
+        self,
+        directory: Path,
+        step: int,
+        model: CausalLM,
+        optimizer: TrainingOptimizer,
+        user_content: dict[str, Any],
+        *,
+        keep_last: int,
+        xser: bool,
+    ) -> Path:
+        target = start_saving(directory, step)
+        state = {"model": get_model_state_dict(model), "optimizer": optimizer.state_dict()}
+        save_distributed(state, checkpoint_id=target / DCP_DIRECTORY)
+        shards: list[dict[str, tuple[int | None, int]]] = [{} for _ in range(parallel.world_size())]
+        mine = {name: (tp_dimension(tensor), parallel.pp_rank()) for name, tensor in state["model"].items()}
+        dist.all_gather_object(shards, mine)
+        if parallel.world_rank() == 0:
+            merged = {name: entry for part in shards for name, entry in part.items()}
+            layout = tp_layout(merged, parallel.tp_size(), parallel.pp_size())
+            (target / DCP_DIRECTORY / TP_LAYOUT).write_text(json.dumps(layout, indent=1) + "\n")
+        finish_saving(directory, target, optimizer.scheduler.state_dict(), user_content, keep_last)
+        return target
+
+    def load_weights(self, directory: Path, step: int, model: CausalLM) -> None:
+        state = {"model": get_model_state_dict(model)}
+        load_distributed(state, checkpoint_id=self._checkpoint(directory, step))
+        set_model_state_dict(model, state["model"])
+
+    def load_training_state(self, directory: Path, step: int, optimizer: TrainingOptimizer) -> dict[str, Any]:
+        target = step_directory(directory, step)
+        scheduler_state, content = read_position(target)
+        loaded = {"optimizer": optimizer.state_dict()}
+        load_distributed(loaded, checkpoint_id=self._checkpoint(directory, step))
+        optimizer.load_state_dict(loaded["optimizer"])
+        optimizer.scheduler.load_state_dict(scheduler_state)
+        restore_rng_of(target)
+        return content
+
+    @staticmethod
+    def _checkpoint(directory: Path, step: int) -> Path:
+        path = step_directory(directory, step) / DCP_DIRECTORY
+        if not (path / ".metadata").is_file():
+            raise UserError(
+                f"{path}: no Distributed Checkpoint here; allowed: a checkpoint written by backend torch-native "
+                "(a neuron or cpu checkpoint moves over through hf: `convert --to hf`, then model.pretrained)"
+            )
+        return path
+
+    def compilations(self) -> int | None:
+        return None
+
+    def graph_counters(self) -> dict[str, int]:
+        return {}
+
+
+TRAINING_BACKEND: TrainingBackend = NativeTraining()
