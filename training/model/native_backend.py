@@ -172,14 +172,18 @@ def move_model_to_device(model: nn.Module, device: torch.device) -> None:
     parameters as they are now. Every model is built with this call last."""
     model.to(device)
     for module in model.modules():
-        for name, parameter in list(module.named_parameters(recurse=False)):
-            if getattr(parameter, "tensor_model_parallel", False) and not isinstance(parameter, DTensor):
-                placed = native_layers.distributed(parameter.data, Shard(parameter.partition_dim))  # type: ignore[attr-defined]
-                placed.__dict__.update(parameter.__dict__)
-                setattr(module, name, placed)
-                native_layers.place_gradients(module)
-    for module in model.modules():
-        if isinstance(module, LAYERS):
+        marked = [
+            (name, parameter)
+            for name, parameter in module.named_parameters(recurse=False)
+            if getattr(parameter, "tensor_model_parallel", False) and not isinstance(parameter, DTensor)
+        ]
+        for name, parameter in marked:
+            placed = native_layers.distributed(parameter.data, Shard(parameter.partition_dim))  # type: ignore[attr-defined]
+            placed.__dict__.update(parameter.__dict__)
+            setattr(module, name, placed)
+        if marked:  # its rank files' plain tensors load into the DTensors, as the layers' do
+            native_layers.finish_parameters(module)
+        if marked or isinstance(module, LAYERS):
             native_layers.place_gradients(module)
 
 

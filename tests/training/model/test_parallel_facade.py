@@ -15,12 +15,13 @@ import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
-from training.model import cpu_backend, neuron_backend, parallel
+from training.model import cpu_backend, native_backend, neuron_backend, parallel
 from training.model.parallel import DECLARATIONS, Declaration
 
 ARCHIVE_NAME = "neuronx-distributed-2.28.0.tar.gz"
@@ -175,11 +176,14 @@ def test_every_other_declaration_is_torch_xla() -> None:
     }
 
 
+@pytest.mark.parametrize("backend", [cpu_backend, native_backend], ids=["cpu", "torch-native"])
 @pytest.mark.parametrize("declaration", DECLARATIONS.values(), ids=lambda d: d.name)
-def test_the_cpu_backend_implements_the_declaration_exactly(declaration: Declaration) -> None:
-    assert hasattr(cpu_backend, declaration.name), f"the cpu backend has no {declaration.name}"
-    implementation = getattr(cpu_backend, declaration.name)
-    assert cpu_backend.resolve(declaration) is implementation
+def test_the_cpu_and_torch_native_backends_implement_the_declaration_exactly(
+    declaration: Declaration, backend: ModuleType
+) -> None:
+    implementation = backend.resolve(declaration)
+    if backend is cpu_backend:
+        assert getattr(cpu_backend, declaration.name) is implementation
     if inspect.isclass(implementation):
         assert issubclass(implementation, torch.nn.Module)
         parameters = list(inspect.signature(implementation.__init__).parameters.values())[1:]
