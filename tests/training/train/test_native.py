@@ -177,12 +177,12 @@ def test_the_converter_exports_a_distributed_checkpoint_to_hugging_face(
     tmp_path: Path,
 ) -> None:
     """The same weights as the cpu backend's run exported from its NxD rank files. The runs agree to 1e-5, and AdamW
-    turns that into up to 3e-6 on a rarely seen token's row (a moment near zero divides the noise); a misplaced
-    shard would be off by the weights' own size (about 0.02)."""
+    turns that into up to 2.5e-5 on a row whose gradient is nearly zero (the padding token's: a second moment near
+    zero divides the noise, measured); a misplaced shard would be off by the weights' own size (about 0.02)."""
     world = llama_world_tp1 if architecture == "llama" else mixtral_world
     expected = hf_export(runs[f"{architecture}-cpu"], world, tmp_path / "cpu")
     actual = hf_export(runs[f"{architecture}-{layout}"], world, tmp_path / "native")
     assert sorted(actual) == sorted(expected) and len(expected) > 5
     for name, tensor in expected.items():
         assert actual[name].dtype == tensor.dtype, name
-        torch.testing.assert_close(actual[name], tensor, rtol=1e-4, atol=2e-5, msg=name)
+        torch.testing.assert_close(actual[name], tensor, rtol=1e-4, atol=1e-4, msg=name)
