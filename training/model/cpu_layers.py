@@ -77,7 +77,7 @@ def nki_flash_attn_func(
 # --- layers --------------------------------------------------------------------------------------------
 
 
-def _divide(size: int, parts: int, what: str) -> int:
+def divide(size: int, parts: int, what: str) -> int:
     if size % parts:
         raise ValueError(f"{what} {size} is not divisible by the tensor-parallel degree {parts}")
     return size // parts
@@ -88,7 +88,7 @@ def _parameter(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype))
 
 
-def _init_uniform(parameter: torch.Tensor | None, fan_in: int) -> None:
+def init_uniform(parameter: torch.Tensor | None, fan_in: int) -> None:
     """torch.nn.Linear's default initialisation, with the fan-in of the whole (unsharded) matrix; nothing when
     the parameter was registered on the meta device (`init_on_device`), as neuronx-distributed's layers do."""
     if parameter is None or parameter.device.type == "meta":
@@ -118,11 +118,11 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size, self.gather_output = input_size, output_size, gather_output
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension  # NxD's default
-        per_rank = _divide(output_size, tp, "output size")
+        per_rank = divide(output_size, tp, "output size")
         self.weight = _parameter((per_rank, input_size), dtype)
-        _init_uniform(self.weight, input_size)
+        init_uniform(self.weight, input_size)
         self.bias = _parameter((output_size if gather_output else per_rank,), dtype) if bias else None
-        _init_uniform(self.bias, input_size)
+        init_uniform(self.bias, input_size)
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel_enabled:
@@ -151,10 +151,10 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size, self.input_is_parallel = input_size, output_size, input_is_parallel
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
-        self.weight = _parameter((output_size, _divide(input_size, tp_size(), "input size")), dtype)
-        _init_uniform(self.weight, input_size)
+        self.weight = _parameter((output_size, divide(input_size, tp_size(), "input size")), dtype)
+        init_uniform(self.weight, input_size)
         self.bias = _parameter((output_size,), dtype) if bias else None
-        _init_uniform(self.bias, input_size)
+        init_uniform(self.bias, input_size)
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -178,13 +178,13 @@ class ParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.sequence_parallel_enabled = sequence_parallel_enabled
-        per_rank = _divide(num_embeddings, tp_size(), "vocabulary size")
+        per_rank = divide(num_embeddings, tp_size(), "vocabulary size")
         self.start, self.end = tp_rank() * per_rank, (tp_rank() + 1) * per_rank
         # The padding row (no gradient, as in torch.nn.Embedding) lives on the rank whose rows include it.
         in_range = padding_idx is not None and self.start <= padding_idx < self.end
         self.padding_idx = padding_idx - self.start if in_range and padding_idx is not None else None
         self.weight = _parameter((per_rank, embedding_dim), dtype)
-        if self.weight.device.type != "meta":  # see `_init_uniform`
+        if self.weight.device.type != "meta":  # see `init_uniform`
             with torch.no_grad():
                 self.weight.normal_()
 
@@ -230,21 +230,21 @@ class GQAQKVColumnParallelLinear(nn.Module):
         if bias and gather_output:
             raise NotImplementedError("GQAQKVColumnParallelLinear: bias with gather_output")
         self.gather_output, self.kv_size_multiplier, self.fuse_qkv = gather_output, kv_size_multiplier, fuse_qkv
-        self.q_size = _divide(output_sizes[0], tp, "query size")
-        self.kv_size = _divide(output_sizes[1] * kv_size_multiplier, tp, "replicated key/value size")
+        self.q_size = divide(output_sizes[0], tp, "query size")
+        self.kv_size = divide(output_sizes[1] * kv_size_multiplier, tp, "replicated key/value size")
         self.kv_group = kv_shared_group(kv_size_multiplier) if kv_size_multiplier > 1 else None
         sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
         if fuse_qkv:
             self.weight_qkv = _parameter((sum(sizes.values()), input_size), dtype)
-            _init_uniform(self.weight_qkv, input_size)
+            init_uniform(self.weight_qkv, input_size)
             self.bias_qkv = _parameter((sum(sizes.values()),), dtype) if bias else None
-            _init_uniform(self.bias_qkv, input_size)
+            init_uniform(self.bias_qkv, input_size)
         else:
             for name, size in sizes.items():
                 self.register_parameter(f"weight_{name}", _parameter((size, input_size), dtype))
-                _init_uniform(self._parameters[f"weight_{name}"], input_size)
+                init_uniform(self._parameters[f"weight_{name}"], input_size)
                 self.register_parameter(f"bias_{name}", _parameter((size,), dtype) if bias else None)
-                _init_uniform(self._parameters[f"bias_{name}"], input_size)
+                init_uniform(self._parameters[f"bias_{name}"], input_size)
 
     def _parts(self, prefix: str) -> list[torch.Tensor | None]:
         if self.fuse_qkv:

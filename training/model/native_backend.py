@@ -29,29 +29,12 @@ from training.config.hardware import DEFAULT_GENERATION, Generation
 from training.config.loading import not_allowed
 from training.errors import UserError
 from training.model import cpu_backend, cpu_groups, native_layers
-from training.model.cpu_backend import (
-    add_step_closure,
-    init_on_device,
-    mark_step,
-    rendezvous,
-    set_tensor_model_parallel_attributes,
-)
-from training.model.cpu_collectives import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-)
-from training.model.cpu_groups import dp_group, dp_rank, dp_size, pp_group, pp_rank, pp_size, tp_group, tp_rank, tp_size
-from training.model.cpu_layers import apply_activation_checkpointing
+from training.model.cpu_groups import dp_group, dp_size, pp_group, tp_group
 from training.model.native_layers import (
     ColumnParallelLinear,
     GQAQKVColumnParallelLinear,
     ParallelEmbedding,
     RowParallelLinear,
-    vocab_parallel_cross_entropy,
 )
 
 if TYPE_CHECKING:
@@ -61,41 +44,10 @@ LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding, GQAQKVColu
 CPU_MODE = "TORCH_NATIVE_CPU"  # "1": run on the CPU over gloo (tests, and the comparison run Neuron recommends)
 NEURON_GENERATIONS: tuple[Generation, ...] = ("trn2",)  # TorchNeuron supports trn2 and trn3, not trn1
 
-__all__ = [
-    "ColumnParallelLinear",
-    "GQAQKVColumnParallelLinear",
-    "ParallelEmbedding",
-    "RowParallelLinear",
-    "add_step_closure",
-    "apply_activation_checkpointing",
-    "complete_materialized",
-    "copy_to_tensor_model_parallel_region",
-    "destroy",
-    "device",
-    "dp_group",
-    "dp_rank",
-    "dp_size",
-    "gather_from_sequence_parallel_region",
-    "gather_from_tensor_model_parallel_region",
-    "init_on_device",
-    "initialize",
-    "mark_step",
-    "move_model_to_device",
-    "nki_flash_attn_func",
-    "pp_group",
-    "pp_rank",
-    "pp_size",
-    "reduce_from_tensor_model_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
-    "rendezvous",
-    "resolve",
-    "scatter_to_tensor_model_parallel_region",
-    "set_tensor_model_parallel_attributes",
-    "tp_group",
-    "tp_rank",
-    "tp_size",
-    "vocab_parallel_cross_entropy",
-]
+# The layers' names this backend implements (`native_layers`); with this module's own functions (`OWN_FUNCTIONS`)
+# they are what `resolve` finds here, every other declared name being the cpu backend's.
+LAYER_NAMES = (*(layer.__name__ for layer in LAYERS), "vocab_parallel_cross_entropy")
+OWN_FUNCTIONS = ("device", "move_model_to_device", "nki_flash_attn_func")
 
 _mesh: DeviceMesh | None = None
 
@@ -152,8 +104,15 @@ def destroy() -> None:
 
 
 def resolve(declaration: Declaration) -> Callable[..., Any]:
-    """The namesake of a declared facade name: this module's, else the cpu backend's (the same semantics)."""
-    implementation: Callable[..., Any] = globals().get(declaration.name) or cpu_backend.resolve(declaration)
+    """The namesake of a declared facade name: this backend's (`LAYER_NAMES`, `OWN_FUNCTIONS`), else the cpu
+    backend's (the same semantics: its groups, collectives and memory savers run on any process group)."""
+    implementation: Callable[..., Any]
+    if declaration.name in LAYER_NAMES:
+        implementation = getattr(native_layers, declaration.name)
+    elif declaration.name in OWN_FUNCTIONS:
+        implementation = globals()[declaration.name]
+    else:
+        implementation = cpu_backend.resolve(declaration)
     return implementation
 
 
@@ -182,7 +141,7 @@ def move_model_to_device(model: nn.Module, device: torch.device) -> None:
             placed.__dict__.update(parameter.__dict__)
             setattr(module, name, placed)
         if marked:  # its rank files' plain tensors load into the DTensors, as the layers' do
-            native_layers.finish_parameters(module)
+            native_layers.accept_rank_files(module)
         if marked or isinstance(module, LAYERS):
             native_layers.place_gradients(module)
 

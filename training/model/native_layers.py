@@ -22,7 +22,6 @@ collectives are the cpu backend's autograd collectives, which run on any torch.d
 
 from __future__ import annotations
 
-import math
 from typing import Any, cast
 
 import torch
@@ -34,6 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from training.model.cpu_collectives import all_reduce_step, identity_step, mapped, scaled_step
 from training.model.cpu_groups import kv_shared_group, tp_rank, tp_size
+from training.model.cpu_layers import divide, init_uniform
 
 _mesh: DeviceMesh | None = None
 
@@ -49,32 +49,14 @@ def tp_mesh() -> DeviceMesh:
     return _mesh
 
 
-def _divide(size: int, parts: int, what: str) -> int:
-    if size % parts:
-        raise ValueError(f"{what} {size} is not divisible by the tensor-parallel degree {parts}")
-    return size // parts
-
-
 def distributed(local: torch.Tensor, placement: Placement) -> nn.Parameter:
     """A DTensor parameter whose local tensor is `local`, this rank's shard (or copy) on the TP mesh."""
-    mesh = tp_mesh()
-    shape, stride = _global_shape(local, placement, mesh.size())
-    tensor = DTensor.from_local(local, mesh, [placement], run_check=False, shape=shape, stride=stride)
+    # the global shape is inferred: every rank's shard is the same size (the layers divide evenly or refuse)
+    tensor = DTensor.from_local(local, tp_mesh(), [placement], run_check=False)
     return nn.Parameter(tensor, requires_grad=True)
 
 
-def _global_shape(local: torch.Tensor, placement: Placement, parts: int) -> tuple[torch.Size, tuple[int, ...]]:
-    shape = list(local.shape)
-    if isinstance(placement, Shard):
-        shape[placement.dim] *= parts
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return torch.Size(shape), tuple(reversed(strides))
-
-
-def finish_parameters(module: nn.Module) -> None:
+def accept_rank_files(module: nn.Module) -> None:
     """`load_state_dict` of this module takes rank files' plain tensors too (this rank's shards, as every other
     backend's state dict holds them): each is wrapped as its DTensor parameter is placed. Called once a layer's
     parameters are final (parallelize_module registers new ones)."""
@@ -114,17 +96,11 @@ def _place_as_parameter(parameter: torch.Tensor) -> None:
         parameter.grad = grad.redistribute(placements=placements)
 
 
-def _uniform(local: torch.Tensor, fan_in: int) -> torch.Tensor:
-    """torch.nn.Linear's initialisation with the whole matrix's fan-in; nothing on the meta device."""
-    if local.device.type != "meta":
-        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-        with torch.no_grad():
-            local.uniform_(-bound, bound)
+def _initialised(shape: tuple[int, ...], dtype: torch.dtype, fan_in: int) -> torch.Tensor:
+    """This rank's shard, initialised as the cpu backend's layers initialise theirs (`cpu_layers.init_uniform`)."""
+    local = torch.empty(shape, dtype=dtype)
+    init_uniform(local, fan_in)
     return local
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -147,10 +123,10 @@ class ColumnParallelLinear(nn.Linear):
         if bias and gather_output:
             raise NotImplementedError("ColumnParallelLinear: bias with gather_output on the torch-native backend")
         super().__init__(input_size, output_size, bias=False, device="meta", dtype=dtype)
-        per_rank = _divide(output_size, tp_size(), "output size")
-        self.weight = distributed(_uniform(_empty((per_rank, input_size), dtype), input_size), Shard(0))
+        per_rank = divide(output_size, tp_size(), "output size")
+        self.weight = distributed(_initialised((per_rank, input_size), dtype, input_size), Shard(0))
         if bias:
-            self.bias = distributed(_uniform(_empty((per_rank,), dtype), input_size), Shard(0))
+            self.bias = distributed(_initialised((per_rank,), dtype, input_size), Shard(0))
         dimension = 0 if sequence_dimension is None else sequence_dimension
         parallelize_module(
             self,
@@ -160,7 +136,7 @@ class ColumnParallelLinear(nn.Linear):
                 output_layouts=Replicate() if gather_output else Shard(-1),
             ),
         )
-        finish_parameters(self)
+        accept_rank_files(self)
 
 
 class RowParallelLinear(nn.Linear):
@@ -180,10 +156,10 @@ class RowParallelLinear(nn.Linear):
         if sequence_parallel_enabled and not input_is_parallel:
             raise RuntimeError("RowParallelLinear: sequence_parallel_enabled needs input_is_parallel=True")
         super().__init__(input_size, output_size, bias=False, device="meta", dtype=dtype)
-        per_rank = _divide(input_size, tp_size(), "input size")
-        self.weight = distributed(_uniform(_empty((output_size, per_rank), dtype), input_size), Shard(1))
+        per_rank = divide(input_size, tp_size(), "input size")
+        self.weight = distributed(_initialised((output_size, per_rank), dtype, input_size), Shard(1))
         if bias:
-            self.bias = distributed(_uniform(_empty((output_size,), dtype), input_size), Replicate())
+            self.bias = distributed(_initialised((output_size,), dtype, input_size), Replicate())
         dimension = 0 if sequence_dimension is None else sequence_dimension
         parallelize_module(
             self,
@@ -193,7 +169,7 @@ class RowParallelLinear(nn.Linear):
                 output_layouts=Shard(dimension) if sequence_parallel_enabled else Replicate(),
             ),
         )
-        finish_parameters(self)
+        accept_rank_files(self)
 
 
 class ParallelEmbedding(nn.Embedding):
@@ -211,8 +187,8 @@ class ParallelEmbedding(nn.Embedding):
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, device="meta", dtype=dtype)
         self.sequence_parallel_enabled = sequence_parallel_enabled
-        per_rank = _divide(num_embeddings, tp_size(), "vocabulary size")
-        local = _empty((per_rank, embedding_dim), dtype)
+        per_rank = divide(num_embeddings, tp_size(), "vocabulary size")
+        local = torch.empty((per_rank, embedding_dim), dtype=dtype)
         if local.device.type != "meta":
             with torch.no_grad():
                 local.normal_()
@@ -230,7 +206,7 @@ class ParallelEmbedding(nn.Embedding):
                 input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel_enabled else Replicate()
             ),
         )
-        finish_parameters(self)
+        accept_rank_files(self)
         if sequence_parallel_enabled:
             self.register_forward_hook(_sequence_first)
 
@@ -271,18 +247,18 @@ class GQAQKVColumnParallelLinear(nn.Module):
             raise NotImplementedError("GQAQKVColumnParallelLinear: gather_output on the torch-native backend")
         self.sequence_parallel_enabled, self.fuse_qkv = sequence_parallel_enabled, fuse_qkv
         self.kv_size_multiplier = kv_size_multiplier
-        self.q_size = _divide(output_sizes[0], tp, "query size")
-        self.kv_size = _divide(output_sizes[1] * kv_size_multiplier, tp, "replicated key/value size")
+        self.q_size = divide(output_sizes[0], tp, "query size")
+        self.kv_size = divide(output_sizes[1] * kv_size_multiplier, tp, "replicated key/value size")
         self.kv_group = kv_shared_group(kv_size_multiplier) if kv_size_multiplier > 1 else None
         sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
         parts = {"qkv": sum(sizes.values())} if fuse_qkv else sizes
         for name, size in parts.items():
             self.register_parameter(
-                f"weight_{name}", distributed(_uniform(_empty((size, input_size), dtype), input_size), Shard(0))
+                f"weight_{name}", distributed(_initialised((size, input_size), dtype, input_size), Shard(0))
             )
-            local_bias = _uniform(_empty((size,), dtype), input_size) if bias else None
+            local_bias = _initialised((size,), dtype, input_size) if bias else None
             self.register_parameter(f"bias_{name}", None if local_bias is None else distributed(local_bias, Shard(0)))
-        finish_parameters(self)
+        accept_rank_files(self)
 
     def _local(self, prefix: str) -> list[torch.Tensor | None]:
         if self.fuse_qkv:

@@ -570,4 +570,4 @@ def sum_sequence_parallel_gradients(parameters: Iterable[torch.Tensor]) -> None:
         return
     for parameter in parameters:
         if getattr(parameter, "sequence_parallel_enabled", False) and parameter.grad is not None:
-            dist.all_reduce(parameter.grad, group=tp_group())
+            dist.all_reduce(local_view(parameter.grad), group=tp_group())  # a DTensor's: this rank's slice

@@ -22,7 +22,6 @@ from training.config.backends import Backend
 from training.config.model import ModelSpec, Parallelism
 from training.config.recipe import OptimizerSection, Precision, Recipe
 from training.errors import UserError
-from training.formats.layouts import replicated_targets
 from training.formats.lazy import shown
 from training.formats.sharded import nxd_rank_file
 from training.model import parallel
@@ -40,7 +39,7 @@ from training.train.checkpointing import (
     step_directory,
 )
 from training.train.cpu_precision import MasterWeights, StochasticRoundingAdamW
-from training.train.optimizer import TrainingOptimizer
+from training.train.optimizer import TrainingOptimizer, clip_by_global_norm, split_by_replication
 from training.train.p2p_schedule import OneFOneB
 from training.train.pp_schedule import PPSchedule, carry_shape
 
@@ -78,10 +77,8 @@ class CpuOptimizer:
             )
         else:
             self.inner = optimizer_class(groups, **defaults)
-        replicated = replicated_targets(model.spec, model.parallelism, "nxd")
         names = {name: self._trained(p) for name, p in model.named_parameters()}
-        self.sharded = [p for n, p in names.items() if n not in replicated or parallel.tp_size() == 1]
-        self.replicated = [p for n, p in names.items() if n in replicated and parallel.tp_size() > 1]
+        self.sharded, self.replicated = split_by_replication(model, names)
 
     def _trained(self, parameter: nn.Parameter) -> nn.Parameter:
         """The tensor the optimizer updates for a model parameter (its fp32 master copy under bf16-mixed)."""
@@ -91,7 +88,8 @@ class CpuOptimizer:
         trained = self.sharded + self.replicated
         parallel.sum_sequence_parallel_gradients(trained)
         self._average_over_data_parallel(trained)
-        norm = torch.tensor(self._clip(), dtype=torch.float64)
+        clipped = clip_by_global_norm(self.sharded, self.replicated, self.settings.grad_clip, sharded_over_dp=False)
+        norm = torch.tensor(clipped, dtype=torch.float64)
         self.inner.step()
         if self.master is not None:
             self.master.copy_to_model()
@@ -104,30 +102,6 @@ class CpuOptimizer:
             if parameter.grad is not None:
                 dist.all_reduce(parameter.grad, group=parallel.dp_group())
                 parameter.grad /= parallel.dp_size()
-
-    def _clip(self) -> float:
-        """Global L2 norm over the whole model: sharded parameters summed over TP, replicated ones once."""
-
-        def squares(parameters: list[nn.Parameter]) -> torch.Tensor:
-            total = torch.zeros((), dtype=torch.float64)
-            for parameter in parameters:
-                if parameter.grad is not None:
-                    total += parameter.grad.detach().double().pow(2).sum()
-            return total
-
-        sharded = squares(self.sharded)
-        if parallel.tp_size() > 1:
-            dist.all_reduce(sharded, group=parallel.tp_group())
-        stage = sharded + squares(self.replicated)
-        if parallel.pp_size() > 1:  # every stage holds other parameters
-            dist.all_reduce(stage, group=parallel.pp_group())
-        norm = float(stage.sqrt())
-        if self.settings.grad_clip > 0 and norm > self.settings.grad_clip:
-            scale = self.settings.grad_clip / (norm + 1e-6)
-            for parameter in self.sharded + self.replicated:
-                if parameter.grad is not None:
-                    parameter.grad.mul_(scale)
-        return norm
 
     def _local(self) -> Any:
         """The optimizer holding this rank's state: the local shard of torch's ZeRO-1 wrapper."""

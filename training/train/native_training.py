@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -43,7 +42,6 @@ from training.config.model import ModelSpec, Parallelism
 from training.config.recipe import OptimizerSection, Precision, Recipe
 from training.errors import UserError
 from training.formats.distributed import DCP_DIRECTORY, TP_LAYOUT, tp_layout
-from training.formats.layouts import replicated_targets
 from training.model import native_backend, parallel
 from training.model.transformer import CausalLM, DecoderLayer
 from training.train.backend import TrainingBackend
@@ -55,7 +53,7 @@ from training.train.checkpointing import (
     step_directory,
 )
 from training.train.cpu_precision import MasterWeights
-from training.train.optimizer import TrainingOptimizer
+from training.train.optimizer import TrainingOptimizer, clip_by_global_norm, split_by_replication
 from training.train.p2p_schedule import OneFOneB
 from training.train.pp_schedule import PPSchedule, carry_shape
 
@@ -107,48 +105,16 @@ class NativeOptimizer:
         parameters = dict(model.named_parameters())  # FSDP2's sharded parameters, under the same names
         groups = [{**g, "params": [parameters[n] for n in ns]} for g, ns in zip(groups, group_names, strict=True)]
         self.inner: Any = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
-        replicated = replicated_targets(model.spec, model.parallelism, "nxd")
-        tp = parallel.tp_size()
-        self.sharded = [p for n, p in parameters.items() if n not in replicated or tp == 1]
-        self.replicated = [p for n, p in parameters.items() if n in replicated and tp > 1]
-        self.sequence_parallel = [parameters[n] for n in sorted(sequence_parallel)]
+        self.sharded, self.replicated = split_by_replication(model, parameters)
+        for name in sequence_parallel:  # FSDP2's parameters are new ones: marked again for the TP sum
+            parallel.mark_sequence_parallel(parameters[name])
 
     def step(self) -> torch.Tensor:
-        if parallel.tp_size() > 1:  # a norm or router used on this rank's sequence slice: summed over TP
-            for parameter in self.sequence_parallel:
-                if parameter.grad is not None:
-                    dist.all_reduce(parallel.local_view(parameter.grad), group=parallel.tp_group())
-        norm = torch.tensor(self._clip(), dtype=torch.float64)
+        parallel.sum_sequence_parallel_gradients(self.sharded + self.replicated)
+        grad_clip = self.settings.grad_clip
+        norm = clip_by_global_norm(self.sharded, self.replicated, grad_clip, sharded_over_dp=parallel.dp_size() > 1)
         self.inner.step()
-        return norm
-
-    def _clip(self) -> float:
-        """The cpu backend's global L2 norm, from each rank's local shards (FSDP2 spreads them over DP)."""
-
-        def squares(parameters: list[nn.Parameter]) -> torch.Tensor:
-            total = torch.zeros((), dtype=torch.float64)
-            for parameter in parameters:
-                if parameter.grad is not None:
-                    total += parallel.local_view(parameter.grad).detach().double().pow(2).sum().cpu()
-            return total
-
-        sharded, replicated = squares(self.sharded), squares(self.replicated)
-        if parallel.dp_size() > 1:
-            both = torch.stack([sharded, replicated])
-            dist.all_reduce(both, group=parallel.dp_group())
-            sharded, replicated = both[0], both[1]
-        if parallel.tp_size() > 1:
-            dist.all_reduce(sharded, group=parallel.tp_group())
-        stage = sharded + replicated
-        if parallel.pp_size() > 1:
-            dist.all_reduce(stage, group=parallel.pp_group())
-        norm = float(stage.sqrt())
-        if self.settings.grad_clip > 0 and norm > self.settings.grad_clip:
-            scale = self.settings.grad_clip / (norm + 1e-6)
-            for parameter in self.sharded + self.replicated:
-                if parameter.grad is not None:
-                    parallel.local_view(parameter.grad).mul_(scale)
-        return norm
+        return torch.tensor(norm, dtype=torch.float64)
 
     def state_dict(self) -> dict[str, Any]:
         return dict(get_optimizer_state_dict(self.model, self.inner))

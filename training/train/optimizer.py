@@ -14,9 +14,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from training.config.recipe import OptimizerSection, Precision, Recipe, ScheduleSection
+from training.formats.layouts import replicated_targets
+from training.model import parallel
 from training.model.transformer import CausalLM
 
 if TYPE_CHECKING:
@@ -134,6 +137,50 @@ class TrainingOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.core.load_state_dict(state)
+
+
+def split_by_replication(
+    model: CausalLM, parameters: dict[str, nn.Parameter]
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The trained tensors (by the model's parameter names) split into this TP rank's shards and the ones every TP
+    rank holds whole (`training.formats.layouts.replicated_targets`; at TP 1 all count as shards)."""
+    replicated = replicated_targets(model.spec, model.parallelism, "nxd")
+    whole = parallel.tp_size() > 1
+    sharded = [p for name, p in parameters.items() if name not in replicated or not whole]
+    return sharded, [p for name, p in parameters.items() if name in replicated and whole]
+
+
+def clip_by_global_norm(
+    sharded: list[nn.Parameter], replicated: list[nn.Parameter], grad_clip: float, *, sharded_over_dp: bool
+) -> float:
+    """The model's global L2 gradient norm, from this rank's tensors: TP shards summed over TP, the replicated ones
+    counted once, the stages summed; with `sharded_over_dp` (FSDP2: each rank holds a slice of every gradient) the
+    slices summed over DP first. Gradients are scaled down to `grad_clip` when it is positive and exceeded."""
+
+    def squares(parameters: list[nn.Parameter]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for parameter in parameters:
+            if parameter.grad is not None:
+                total += parallel.local_view(parameter.grad).detach().double().pow(2).sum().cpu()
+        return total
+
+    tp_sums, whole = squares(sharded), squares(replicated)
+    if sharded_over_dp and parallel.dp_size() > 1:
+        both = torch.stack([tp_sums, whole])
+        dist.all_reduce(both, group=parallel.dp_group())
+        tp_sums, whole = both[0], both[1]
+    if parallel.tp_size() > 1:
+        dist.all_reduce(tp_sums, group=parallel.tp_group())
+    stage = tp_sums + whole
+    if parallel.pp_size() > 1:  # every stage holds other parameters
+        dist.all_reduce(stage, group=parallel.pp_group())
+    norm = float(stage.sqrt())
+    if grad_clip > 0 and norm > grad_clip:
+        scale = grad_clip / (norm + 1e-6)
+        for parameter in sharded + replicated:
+            if parameter.grad is not None:
+                parallel.local_view(parameter.grad).mul_(scale)
+    return norm
 
 
 def zero1_where_it_shards(recipe: Recipe, dp: int) -> Recipe:
