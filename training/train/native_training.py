@@ -10,8 +10,9 @@ optimizer feature) is refused by the recipe on this backend.
 
 The gradient norm and clipping follow the cpu backend's rules (sharded parameters summed over TP, replicated
 ones once, stages summed), on each rank's local shards, summed over the data-parallel ranks FSDP2 spreads them
-over. Pipeline stages exchange activations with the 1F1B schedule the cpu backend runs too, over
-torch.distributed point-to-point messages (`training.train.p2p_schedule`).
+over. Pipeline parallelism is torch's own `torch.distributed.pipelining` (a `PipelineStage` per rank, the
+`Schedule1F1B` schedule: `training.train.native_pipeline`), passing the carry the cpu backend's hand-written 1F1B
+passes too.
 
 Checkpoints are Distributed Checkpoint directories (`step_N/dcp/`: every rank writes its shards, resharded on
 load to any layout), beside the shared layout's schedule, run position and random generators
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as load_distributed
 from torch.distributed.checkpoint.state_dict_saver import save as save_distributed
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
 from training.config.backends import Backend
@@ -53,9 +54,9 @@ from training.train.checkpointing import (
     step_directory,
 )
 from training.train.cpu_precision import MasterWeights
+from training.train.native_pipeline import TorchPipeline
 from training.train.optimizer import TrainingOptimizer, clip_by_global_norm, split_by_replication
-from training.train.p2p_schedule import OneFOneB
-from training.train.pp_schedule import PPSchedule, carry_shape
+from training.train.pp_schedule import PPSchedule
 
 
 def tp_dimension(tensor: torch.Tensor) -> int | None:
@@ -85,6 +86,9 @@ def shard_data_parallel(model: CausalLM, precision: Precision) -> None:
         if isinstance(module, DecoderLayer):
             fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if parallel.pp_size() > 1:  # a pipeline stage runs `forward_stage`, never forward(): FSDP2 gathers the root's
+        # parameters (the embedding, final norm and head) around forward() only, unless told of the other method
+        register_fsdp_forward_method(model, "forward_stage")
 
 
 class NativeOptimizer:
@@ -136,7 +140,7 @@ class NativeTraining:
         return {}
 
     def pp_schedule(self, model: CausalLM, micro_batches: int, micro: int, seq_len: int, *, zero1: bool) -> PPSchedule:
-        return OneFOneB(model, carry_shape(model, micro, seq_len))
+        return TorchPipeline(model, micro_batches, micro, seq_len)
 
     def optimizer(
         self,

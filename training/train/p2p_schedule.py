@@ -1,4 +1,5 @@
-"""The 1F1B pipeline schedule over torch.distributed point-to-point messages (the cpu and torch-native backends').
+"""The 1F1B pipeline schedule over torch.distributed point-to-point messages (the cpu backend's; the torch-native
+backend runs torch.distributed.pipelining instead: `training.train.native_pipeline`).
 
 Each rank holds one stage (`CausalLM.stage`: contiguous layers, the embedding on the first stage, the final norm
 and head on the last). One optimizer step runs M micro batches: stage s first runs PP - s - 1 forward passes

@@ -2,7 +2,8 @@
 FSDP2, pipeline stages and Distributed Checkpoint against the cpu backend, step for step, and kill and resume.
 
 One cpu-backend run per tiny recipe is the reference (the cpu backend's own layouts equal each other: its
-tests); the torch-native backend runs it at TP 1, TP 2, TP 2 x FSDP 2 and PP 2.
+tests); the torch-native backend runs it at TP 1, TP 2, TP 2 x FSDP 2, PP 2 (torch.distributed.pipelining) and
+PP 2 x FSDP 2.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ TOLERANCE = 1e-5
 STEPS = 4
 GRAD_CLIP = 0.5  # below the tiny models' gradient norms: clipping is exercised
 RECIPES = {"llama": "tiny-llama-cpt", "mixtral": "tiny-mixtral-sft"}
-# name: (processes, tp, pp): the layouts the issue asks for
-LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 2, 1), "tp2-fsdp2": (4, 2, 1), "pp2": (2, 1, 2)}
+# name: (processes, tp, pp): the layouts the issue asks for, and pipeline stages under FSDP2
+LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 2, 1), "tp2-fsdp2": (4, 2, 1), "pp2": (2, 1, 2), "pp2-fsdp2": (4, 1, 2)}
 ENVIRONMENT = {CPU_MODE: "1", "OMP_NUM_THREADS": "1"}
+LOG = "torchrun.log"  # a run's stderr, beside its checkpoints
 
 
 def settings(world: dict[str, Path], root: Path, tp: int, pp: int, backend: str) -> list[str]:
@@ -53,6 +55,9 @@ def settings(world: dict[str, Path], root: Path, tp: int, pp: int, backend: str)
         "batch.micro=2",
         "precision=fp32",
         f"optimizer.grad_clip={GRAD_CLIP}",
+        "data.validation_split=train",
+        "data.validation_every=2",
+        "data.validation_batches=3",  # not the step's 4 micro batches: a pipeline runs another schedule for it
         f"backend={backend}",
     ]
 
@@ -63,6 +68,7 @@ def run(world: dict[str, Path], architecture: str, root: Path, name: str, backen
     overrides = world_overrides(world, checkpoints, *settings(world, root, tp, pp, backend))
     result = torchrun(RECIPES[architecture], overrides, processes=processes, env={**ENVIRONMENT, **env})
     assert result.returncode == 0, result.stderr[-4000:]
+    (checkpoints / LOG).write_text(result.stderr)
     return checkpoints
 
 
@@ -85,10 +91,23 @@ def test_torch_native_trains_as_the_cpu_backend(architecture: str, layout: str, 
     expected, actual = metrics(runs[f"{architecture}-cpu"]), metrics(runs[f"{architecture}-{layout}"])
     assert [r["step"] for r in actual] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
     assert any(r["grad_norm"] > GRAD_CLIP for r in expected)  # clipping happened
+    processes, tp, pp = LAYOUTS[layout]
     for reference, record in zip(expected, actual, strict=True):
         assert record["loss"] == pytest.approx(reference["loss"], rel=TOLERANCE), (reference, record)
         assert record["grad_norm"] == pytest.approx(reference["grad_norm"], rel=TOLERANCE), (reference, record)
         assert record["lr"] == reference["lr"]
+        assert ("validation_loss" in record) == ("validation_loss" in reference) == (record["step"] % 2 == 0)
+        if processes == tp * pp and "validation_loss" in record:  # one data-parallel rank reads the reference's rows
+            assert record["validation_loss"] == pytest.approx(reference["validation_loss"], rel=TOLERANCE)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp2-fsdp2"])
+@pytest.mark.parametrize("architecture", ["llama", "mixtral"])
+def test_pipeline_stages_run_on_torch_pipelining(architecture: str, layout: str, runs: dict[str, Path]) -> None:
+    """The stages are torch.distributed.pipelining's under its 1F1B schedule, not the cpu backend's hand-written
+    one (`training.train.p2p_schedule`, which logs no such line)."""
+    log = (runs[f"{architecture}-{layout}"] / LOG).read_text()
+    assert "pipeline: torch.distributed.pipelining Schedule1F1B, 2 stages" in log
 
 
 def test_checkpoints_are_distributed_checkpoints(runs: dict[str, Path], llama_world_tp1: dict[str, Path]) -> None:
