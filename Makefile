@@ -121,7 +121,7 @@ cost: deps
 snapshots: deps
 	UPDATE_SNAPSHOTS=1 $(VPY) -m pytest tests/infra/test_snapshots.py tests/pipeline/test_templates.py
 
-## Re-resolve the cluster's locked requirement set (assets/node/cluster-requirements.in) for the nodes' Python.
+## Re-resolve each node software set's locked requirements (assets/node/*-requirements.in) for the nodes' Python.
 lock: deps
 	$(VPY) -m stacks.cluster_requirements
 

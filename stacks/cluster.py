@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from aws_cdk import Aws, CfnStack, CustomResource, Fn, RemovalPolicy
 from aws_cdk import aws_ec2 as ec2
@@ -17,7 +18,7 @@ from constructs import Construct
 from stacks.cluster_requirements import LOCK
 from stacks.config import PARALLELCLUSTER_VERSION
 from stacks.pcluster_config import ClusterResources, ClusterSettings, build_cluster_configuration
-from training.software import BOOTSTRAP_SCRIPT, pinned_neuron_release
+from training.software import BOOTSTRAP_SCRIPT, NODE_SOFTWARE, NodeSoftware
 
 # ParallelCluster's provider may attach only policies under this path (or named parallelcluster*).
 PARALLELCLUSTER_POLICY_PATH = "/parallelcluster/"
@@ -60,9 +61,9 @@ def provider_template_url(version: str) -> str:
     )
 
 
-def bootstrap_neuron_release() -> str:
-    """The Neuron SDK release the cluster's nodes install."""
-    return pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
+def bootstrap_neuron_release(software: NodeSoftware = NODE_SOFTWARE["neuron"]) -> str:
+    """The release of `software` the cluster's nodes install (the bootstrap script pins it)."""
+    return software.release()
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class Cluster(Construct):
         shared_env: str,
         neuron_apt_key_fingerprint: str | None,
         health: NodeHealth,
+        lock: Path = LOCK,
         head_node_subnet: ec2.ISubnet,
         compute_subnet: ec2.ISubnet,
         security_group: ec2.ISecurityGroup,
@@ -152,6 +154,7 @@ class Cluster(Construct):
         self.cluster_name = cluster_name
         self.node_files_bucket = node_files_bucket
         self.node_files = self._deploy_node_files(
+            lock=lock,
             neuron_release=neuron_release,
             shared_env=shared_env,
             neuron_apt_key_fingerprint=neuron_apt_key_fingerprint,
@@ -181,7 +184,7 @@ class Cluster(Construct):
             bootstrap_args=bootstrap_arguments(
                 neuron_release=neuron_release,
                 shared_env=shared_env,
-                requirements_uri=self.node_file_uri(LOCK.name),
+                requirements_uri=self.node_file_uri(lock.name),
                 node_settings_uri=self.node_file_uri(NODE_SETTINGS_FILE),
                 health=health,
                 environment_name=environment_name,
@@ -212,6 +215,7 @@ class Cluster(Construct):
     def _deploy_node_files(
         self,
         *,
+        lock: Path,
         neuron_release: str,
         shared_env: str,
         neuron_apt_key_fingerprint: str | None,
@@ -219,7 +223,7 @@ class Cluster(Construct):
     ) -> s3_deployment.BucketDeployment:
         """The bootstrap script and the locked requirement set (the same file the pipeline ships with the code),
         the image build's component and the day-2 settings, at their fixed keys."""
-        node_files = (BOOTSTRAP_SCRIPT, LOCK)  # both in assets/node/
+        node_files = (BOOTSTRAP_SCRIPT, lock)  # both in assets/node/
         return s3_deployment.BucketDeployment(
             self,
             "NodeFiles",

@@ -24,6 +24,7 @@ from training.config.loading import Allowed, Bool, ConfigError, Int, Str, Strict
 from training.config.recipe import HubRepo
 from training.config.tracking import Tracking
 from training.secrets import SecretArn
+from training.software import DEFAULT_BACKEND, NODE_SOFTWARE, NodeSoftware
 
 # Pinned once: the custom-resource provider template, the offline validator in the tests and the docs
 # all follow this version.
@@ -38,6 +39,9 @@ CloudWatchRetentionDays = Literal[
 CLOUDWATCH_RETENTION_DAYS: tuple[int, ...] = typing.get_args(CloudWatchRetentionDays)
 ENVIRONMENTS_DIR = Path(__file__).resolve().parent.parent / "environments"
 SCHEMA_FILE = ENVIRONMENTS_DIR / "environment.schema.json"
+
+# The training backends a Trainium queue can install software for (training.software.NODE_SOFTWARE).
+NodeBackend = Literal["neuron", "torch-native"]
 
 RootVolumeGib = Annotated[
     int,
@@ -142,6 +146,15 @@ class ComputeConfig(StrictModel):
         "and replaces them afterwards; TERMINATE replaces them at once, killing their jobs (also needed to lower "
         "max_count while nodes run)",
     )
+    backend: Annotated[
+        NodeBackend | None, Allowed("neuron (Neuron 2.28: NxD on PyTorch/XLA) or torch-native (TorchNeuron)")
+    ] = Field(
+        None,
+        description="the training backend the queue's nodes install software for: neuron installs Neuron 2.28 "
+        "(neuronx-distributed on PyTorch/XLA 2.9; trn1 and trn2), torch-native the TorchNeuron release (native "
+        "PyTorch 2.13; trn2 only, os ubuntu2404); omit to follow the instance type's generation (trn1 neuron, "
+        "trn2 torch-native). The recipes pick their backend by generation in the same way",
+    )
     custom_ami: Annotated[
         str | None,
         Field(strict=True, pattern=r"^ami-[0-9a-f]{8,17}$"),
@@ -151,6 +164,14 @@ class ComputeConfig(StrictModel):
         description="an image of the Trainium queue with the Neuron packages baked in (make image-config); omit to "
         "install them at every boot",
     )
+
+    @property
+    def node_software(self) -> NodeSoftware:
+        """What the queue's nodes install: its `backend`'s software, else its generation's (neuron for an
+        instance type the rules refuse anyway)."""
+        hardware = HARDWARE.get(self.instance_type)
+        generation = hardware.generation if hardware is not None else DEFAULT_HARDWARE.generation
+        return NODE_SOFTWARE[self.backend or DEFAULT_BACKEND[generation]]
 
     @property
     def placement_group_enabled(self) -> bool:

@@ -14,6 +14,7 @@ from training.config.hardware import HARDWARE
 from training.config.loading import ConfigError
 from training.config.recipe import Recipe, bundled_recipes, load_recipe, resolve_recipe_path
 from training.errors import UserError
+from training.software import NODE_OPERATING_SYSTEMS, NODE_SOFTWARE
 from training.train.forecast import budget_refusal
 from training.train.memory import refusal
 
@@ -86,6 +87,15 @@ def validate(config: EnvironmentConfig) -> list[str]:
         bad("os", config.os, f"{', '.join(NEURON_OPERATING_SYSTEMS)} (ParallelCluster rejects it)")
     elif config.os not in NEURON_OPERATING_SYSTEMS:
         bad("os", config.os, f"{', '.join(NEURON_OPERATING_SYSTEMS)} (the Neuron bootstrap supports only these)")
+    elif _software_runs(config.compute) and config.os not in config.compute.node_software.operating_systems:
+        software = config.compute.node_software
+        bad(
+            "os",
+            config.os,
+            f"{', '.join(software.operating_systems)} for the {software.backend} backend's {software.title}: its "
+            f"wheels need Python {' or '.join(NODE_OPERATING_SYSTEMS[o].python for o in software.operating_systems)}"
+            " (ParallelCluster does not run Ubuntu 26.04)",
+        )
     if config.network.ssh_key_name == "":
         bad("network.ssh_key_name", "", "an EC2 key pair name, or omit the key to use SSM only")
     _validate_compute(config.compute, bad)
@@ -146,6 +156,16 @@ def _validate_pipeline(
                 detail = problem.removeprefix(f"{resolve_recipe_path(pipeline.recipe)}: ")
                 bad("pipeline.overrides", list(pipeline.overrides), f"what recipe {pipeline.recipe} accepts ({detail})")
             return
+        software = compute.node_software
+        if _software_runs(compute) and recipe.backend != software.backend:
+            bad(
+                "pipeline.recipe",
+                pipeline.recipe,
+                f"a recipe on the queue's software ({software.title}, compute.backend {software.backend}): the "
+                f"recipe runs backend {recipe.backend} on {recipe.generation}; set compute.backend: {recipe.backend} "
+                f"or override backend={software.backend}",
+            )
+            return
         # A run the deploy starts must fit the NeuronCores' memory: refuse before any Trainium node bills.
         if pipeline.start_run and hardware is not None:
             try:
@@ -171,6 +191,14 @@ def _over_budget(config: EnvironmentConfig, recipe: Recipe) -> str | None:
     return budget_refusal(forecast, config.budget.monthly_usd, config.budget.accept_forecast_usd)
 
 
+def _software_runs(compute: ComputeConfig) -> bool:
+    """Whether the queue's software is pinned and runs on its instance type (else `compute.backend` is the one
+    problem)."""
+    hardware = HARDWARE.get(compute.instance_type)
+    software = compute.node_software
+    return (hardware is None or hardware.generation in software.generations) and not software.unpinned()
+
+
 def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, str], None]) -> None:
     facts = HARDWARE.get(compute.instance_type)
     if facts is None:
@@ -180,6 +208,23 @@ def _validate_compute(compute: ComputeConfig, bad: typing.Callable[[str, Any, st
         bad("compute.min_count", compute.min_count, f"at most compute.max_count ({compute.max_count})")
     if facts is None:
         return
+    software = compute.node_software
+    default = "" if compute.backend else f" (the default on {facts.generation})"
+    if facts.generation not in software.generations:
+        able = [name for name, other in NODE_SOFTWARE.items() if facts.generation in other.generations]
+        bad(
+            "compute.backend",
+            software.backend,
+            f"{' or '.join(able)} on {compute.instance_type} ({software.title} runs on "
+            f"{', '.join(software.generations)} only)",
+        )
+    elif missing := software.unpinned():
+        bad(
+            "compute.backend",
+            software.backend,
+            f"neuron for now{default}: the bootstrap script's block for release {software.release()} is not pinned "
+            f"yet (empty: {', '.join(missing)}); fill them in from Neuron's release artifacts page",
+        )
     if compute.efa and not facts.efa:
         efa_types = ", ".join(name for name, f in HARDWARE.items() if f.efa)
         bad("compute.efa", True, f"false for {compute.instance_type}, which has no EFA (EFA types: {efa_types})")

@@ -28,7 +28,8 @@ def build_image_configuration(
 ) -> dict[str, Any]:
     """The build-image configuration: the bake script the deploy ships, on a small instance of the environment's
     head node type, with the compute nodes' policy (it reads the bootstrap and the recorded Neuron key)."""
-    release = bootstrap_neuron_release().replace(".", "-")
+    software = config.compute.node_software
+    release = bootstrap_neuron_release(software).replace(".", "-")
     build: dict[str, Any] = {
         "InstanceType": config.head_node.instance_type,
         "ParentImage": parent_image,
@@ -41,7 +42,7 @@ def build_image_configuration(
     return {
         "Region": config.region,
         "Image": {
-            "Name": f"{config.cluster_name}-neuron-{release}",
+            "Name": f"{config.cluster_name}-{software.env_prefix}-{release}",
             "RootVolume": {"Size": config.compute.root_volume_gib, "Encrypted": True},
             "Tags": [{"Key": key, "Value": value} for key, value in sorted(config.tags.items())],
         },

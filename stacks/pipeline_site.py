@@ -28,8 +28,9 @@ MODELS_FOLDER = "models"
 
 
 def shared_env_path(config: EnvironmentConfig, neuron_release: str) -> str:
-    """The shared Python environment the head node's bootstrap builds on the file system."""
-    return f"{config.storage.mount_dir}/{ENVS_FOLDER}/neuron-{neuron_release}"
+    """The shared Python environment the head node's bootstrap builds on the file system: the Trainium queue's
+    software set's (`ComputeConfig.node_software`), which every queue's jobs run with."""
+    return config.compute.node_software.shared_env(config.storage.mount_dir, neuron_release)
 
 
 def site_settings(
@@ -57,6 +58,7 @@ def site_settings(
         cpu_partition=config.cpu_queue.queue_name if config.cpu_queue else None,
         processes_per_node=facts.cores_per_node,
         instance_type=config.compute.instance_type,
+        backend=config.compute.node_software.backend,
         exclusive=True,
         neuron=True,
         efa=config.compute.efa,

@@ -59,6 +59,7 @@ class SharedEnvironment:
 
     path: str
     neuron_release: str
+    requirements: str  # its locked requirement set, as a path in the shipped source (assets/node/...)
 
 
 def source_files(root: Path = ROOT) -> list[Path]:
@@ -151,6 +152,7 @@ class PipelineTrigger(Construct):
                 "SiteSettings": Stack.of(self).to_json_string(dict(site_settings)),
                 "SharedEnvironmentPath": shared_environment.path,
                 "NeuronRelease": shared_environment.neuron_release,
+                "RequirementsInSource": shared_environment.requirements,
                 "FileSystemId": file_system.file_system_id,
                 "FileSystemMountDir": file_system_mount_dir,
                 "OutputBucket": bucket.bucket_name,

@@ -32,6 +32,7 @@ from training.config.hardware import HARDWARE
 from training.config.recipe import load_recipe
 from training.errors import UserError
 from training.monitoring.cloudwatch import namespace_of
+from training.software import SOURCE_ROOT
 from training.train.memory import planned_gib_per_core
 
 # Where the export stage writes each run's results in the bucket.
@@ -111,7 +112,7 @@ class TrainingEnvironmentStack(Stack):
         for key, value in sorted(config.tags.items()):
             Tags.of(self).add(key, value)
         self._add_foundation(config)
-        neuron_release = bootstrap_neuron_release()
+        neuron_release = bootstrap_neuron_release(config.compute.node_software)
         # One log group for the stack's one BucketDeployment handler (the code and the node files).
         deployment_logs = log_group_with_retention(self, "DeploymentLogs", config.logging.retention_days)
         self.cluster = self._add_cluster(config, neuron_release, deployment_logs)
@@ -188,6 +189,7 @@ class TrainingEnvironmentStack(Stack):
             shared_env=shared_env_path(config, neuron_release),
             neuron_apt_key_fingerprint=config.neuron.apt_key_fingerprint,
             health=node_health(config),
+            lock=config.compute.node_software.lock,
             head_node_subnet=self.network.private_subnet,
             compute_subnet=self.network.private_subnet,
             security_group=self.network.cluster_security_group,
@@ -241,7 +243,9 @@ class TrainingEnvironmentStack(Stack):
             cluster_name=config.cluster_name,
             pipeline=config.pipeline,
             shared_environment=SharedEnvironment(
-                path=shared_env_path(config, neuron_release), neuron_release=neuron_release
+                path=shared_env_path(config, neuron_release),
+                neuron_release=neuron_release,
+                requirements=config.compute.node_software.lock.relative_to(SOURCE_ROOT).as_posix(),
             ),
             site_settings=site_settings(
                 config,

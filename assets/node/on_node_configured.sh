@@ -5,6 +5,7 @@
 # CustomActions.OnNodeConfigured.Args as positional arguments:
 #
 #   on_node_configured.sh --neuron-release 2.28.1 --shared-env /fsx/envs/neuron-2.28.1
+#   on_node_configured.sh --neuron-release 2.34.0 --shared-env /fsx/envs/torchneuron-2.34.0   (TorchNeuron)
 #                         [--requirements FILE|s3://URI] [--pip-index URL] [--apt-suite NAME]
 #                         [--node-type head|compute] [--env-only] [--skip-hosts-fix] [--dry-run]
 #                         [--environment NAME] [--node-settings FILE|s3://URI]
@@ -42,6 +43,9 @@ set -euo pipefail
 # =====================================================================================
 # Pinned Neuron SDK release. Change these together, never one at a time.
 #
+# The neuron backend's release (neuronx-distributed on PyTorch/XLA 2.9; trn1 and trn2). The torch-native
+# backend's release (TorchNeuron) has a block of its own below; --neuron-release chooses one (select_release).
+#
 # Neuron 2.28.1 (2026-03-13). Versions from the Neuron release artifacts ("Previous release
 # artifacts (Neuron 2.x)", Trn1 packages for 2.28.1), i.e. src/helperscripts/n2-manifest.json
 # in github.com/aws-neuron/aws-neuron-sdk. 2.28.1 only changed aws-neuronx-dkms (2.26.5.0 ->
@@ -68,6 +72,32 @@ NEURON_NEURONX_DISTRIBUTED_VERSION="0.17.26814"
 NEURON_PYTHON_VERSIONS="3.10 3.11 3.12"
 # =====================================================================================
 
+# =====================================================================================
+# Pinned TorchNeuron release: the torch-native backend (Neuron's native PyTorch backend; trn2, trn3).
+# Change these together, never one at a time.
+#
+# Neuron 2.34.0 (2026-11-30). Its release notes name "torch-neuronx 2.13.3.1 and 2.14.3.1 (Neuron 2.34.0
+# Release)": the 2.13.3.1 family is the one for PyTorch 2.13, the torch the torch-native lock pins. Neuron 2.34
+# is the first release whose wheels are announced for Ubuntu 24.04 (2.33's torch-neuronx 2.13.3.0 wheels were for
+# Ubuntu 26.04 only, which ParallelCluster does not run); TorchNeuron supports Python 3.12 to 3.14.
+#
+# NOT YET PINNED: the versions below are the ones the "Neuron 2.34.0 release artifacts" page lists for Trn2 (the
+# apt packages, torch-neuronx's full 2.13.3.1.<build> version, neuronx-cc and nki); they could not be read where
+# this block was written. An empty one makes this release refused, here and by the environment file, so a
+# torch-native queue never boots on versions nobody chose. Fill in all seven from that page in one change.
+# =====================================================================================
+TORCHNEURON_RELEASE="2.34.0"
+TORCHNEURON_DKMS_VERSION=""
+TORCHNEURON_COLLECTIVES_VERSION=""
+TORCHNEURON_RUNTIME_LIB_VERSION=""
+TORCHNEURON_TOOLS_VERSION=""
+TORCHNEURON_TORCH_NEURONX_VERSION=""   # 2.13.3.1.<build>: PyTorch 2.13 (the native backend)
+TORCHNEURON_NEURONX_CC_VERSION=""
+TORCHNEURON_NKI_VERSION=""
+TORCHNEURON_PYTHON_VERSIONS="3.12 3.13 3.14"
+# =====================================================================================
+
+# The pins of the release this run installs: the neuron backend's unless --neuron-release names TorchNeuron's.
 NEURON_APT_PINS=(
   "aws-neuronx-dkms=${NEURON_DKMS_VERSION}"
   "aws-neuronx-collectives=${NEURON_COLLECTIVES_VERSION}"
@@ -138,8 +168,8 @@ usage() {
 Usage: on_node_configured.sh --neuron-release X.Y.Z --shared-env DIR [options]
 
 Required:
-  --neuron-release X.Y.Z   Neuron SDK release; must equal the release pinned in this script
-                           (${NEURON_RELEASE}).
+  --neuron-release X.Y.Z   Neuron SDK release; must equal a release pinned in this script
+                           (${NEURON_RELEASE}: neuronx-distributed; ${TORCHNEURON_RELEASE}: TorchNeuron).
   --shared-env DIR         Absolute path of the shared Python venv on the shared file system,
                            e.g. /fsx/envs/neuron-${NEURON_RELEASE}.
 Options:
@@ -209,6 +239,46 @@ apt_get() {
 }
 
 # ----------------------------------------------------------------------------- arguments
+
+# Make the pinned block that --neuron-release names the one this run installs: the rest of the script reads
+# NEURON_RELEASE, NEURON_APT_PINS, NEURON_PIP_PINS and NEURON_PYTHON_VERSIONS only.
+select_release() {
+  local release=$1
+  case "${release}" in
+    "${NEURON_RELEASE}") ;;
+    "${TORCHNEURON_RELEASE}")
+      local variable unpinned=()
+      for variable in TORCHNEURON_DKMS_VERSION TORCHNEURON_COLLECTIVES_VERSION TORCHNEURON_RUNTIME_LIB_VERSION \
+        TORCHNEURON_TOOLS_VERSION TORCHNEURON_TORCH_NEURONX_VERSION TORCHNEURON_NEURONX_CC_VERSION \
+        TORCHNEURON_NKI_VERSION; do
+        [[ -n "${!variable}" ]] || unpinned+=("${variable}")
+      done
+      if ((${#unpinned[@]} > 0)); then
+        usage_error "the TorchNeuron release ${TORCHNEURON_RELEASE} is not pinned in this script yet (empty:" \
+          "${unpinned[*]}); fill in its versions from Neuron's release artifacts page, or use the neuronx-distributed" \
+          "release ${NEURON_RELEASE}"
+      fi
+      NEURON_RELEASE=${TORCHNEURON_RELEASE}
+      NEURON_APT_PINS=(
+        "aws-neuronx-dkms=${TORCHNEURON_DKMS_VERSION}"
+        "aws-neuronx-collectives=${TORCHNEURON_COLLECTIVES_VERSION}"
+        "aws-neuronx-runtime-lib=${TORCHNEURON_RUNTIME_LIB_VERSION}"
+        "aws-neuronx-tools=${TORCHNEURON_TOOLS_VERSION}"
+      )
+      NEURON_PIP_PINS=(
+        "torch-neuronx==${TORCHNEURON_TORCH_NEURONX_VERSION}"
+        "neuronx-cc==${TORCHNEURON_NEURONX_CC_VERSION}"
+        "nki==${TORCHNEURON_NKI_VERSION}"
+      )
+      NEURON_PYTHON_VERSIONS=${TORCHNEURON_PYTHON_VERSIONS}
+      ;;
+    *)
+      usage_error "--neuron-release ${release} does not match a release pinned in this script" \
+        "(${NEURON_RELEASE}: neuronx-distributed; ${TORCHNEURON_RELEASE}: TorchNeuron); update the pinned block" \
+        "and the cluster arguments together"
+      ;;
+  esac
+}
 
 set_option() {
   local name=$1 value=$2
@@ -280,10 +350,7 @@ validate_args() {
   [[ -n "${ARG_SHARED_ENV}" ]] || usage_error "missing required argument --shared-env"
   [[ "${ARG_NEURON_RELEASE}" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] ||
     usage_error "--neuron-release must look like X.Y.Z, got '${ARG_NEURON_RELEASE}'"
-  if [[ "${ARG_NEURON_RELEASE}" != "${NEURON_RELEASE}" ]]; then
-    usage_error "--neuron-release ${ARG_NEURON_RELEASE} does not match the release pinned in this" \
-      "script (${NEURON_RELEASE}); update the pinned block and the cluster arguments together"
-  fi
+  select_release "${ARG_NEURON_RELEASE}"
   ARG_SHARED_ENV=${ARG_SHARED_ENV%/}
   [[ "${ARG_SHARED_ENV}" =~ ^/[A-Za-z0-9._/-]+$ ]] ||
     usage_error "--shared-env must be an absolute path of [A-Za-z0-9._/-], got '${ARG_SHARED_ENV}'"

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.pinned_script import TEST_VERSIONS, pinned_copy
 from tests.support.system_tools import require_tool
+from training.software import NODE_SOFTWARE
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
@@ -41,6 +43,22 @@ PIP_PINS = {
     "neuronx-distributed": "0.17.26814",
 }
 SHARED_ENV = f"/fsx/envs/neuron-{RELEASE}"
+# The torch-native backend's release (TorchNeuron): its block is not pinned yet, so the tests of what it installs
+# run a copy pinned with made-up test versions (tests/support/pinned_script.py).
+TORCHNEURON_RELEASE = "2.34.0"
+TORCHNEURON_APT_PINS = {
+    "aws-neuronx-dkms": TEST_VERSIONS["TORCHNEURON_DKMS_VERSION"],
+    "aws-neuronx-collectives": TEST_VERSIONS["TORCHNEURON_COLLECTIVES_VERSION"],
+    "aws-neuronx-runtime-lib": TEST_VERSIONS["TORCHNEURON_RUNTIME_LIB_VERSION"],
+    "aws-neuronx-tools": TEST_VERSIONS["TORCHNEURON_TOOLS_VERSION"],
+}
+TORCHNEURON_PIP_PINS = {
+    "torch-neuronx": TEST_VERSIONS["TORCHNEURON_TORCH_NEURONX_VERSION"],
+    "neuronx-cc": TEST_VERSIONS["TORCHNEURON_NEURONX_CC_VERSION"],
+    "nki": TEST_VERSIONS["TORCHNEURON_NKI_VERSION"],
+}
+TORCHNEURON_ENV = f"/fsx/envs/torchneuron-{TORCHNEURON_RELEASE}"
+TORCHNEURON_ARGS = ["--neuron-release", TORCHNEURON_RELEASE, "--shared-env", TORCHNEURON_ENV, "--dry-run"]
 REQUIRED_ARGS = ["--neuron-release", RELEASE, "--shared-env", SHARED_ENV]
 
 UBUNTU_2204 = 'NAME="Ubuntu"\nID=ubuntu\nID_LIKE=debian\nVERSION_ID="22.04"\nVERSION_CODENAME=jammy\n'
@@ -83,9 +101,11 @@ def node_files(tmp_path: Path):
     return make
 
 
-def run_script(args: list[str], env_overrides: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def run_script(
+    args: list[str], env_overrides: dict[str, str], script: Path = SCRIPT
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **env_overrides}
-    return subprocess.run([BASH, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run([BASH, str(script), *args], env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
 def run_sourced(snippet: str, env_overrides: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -129,6 +149,14 @@ def test_shellcheck() -> None:
 def test_pinned_block_matches_the_release_artifacts() -> None:
     text = SCRIPT.read_text()
     assert f'NEURON_RELEASE="{RELEASE}"' in text
+    assert f'TORCHNEURON_RELEASE="{TORCHNEURON_RELEASE}"' in text
+    # The software table (training/software.py) names every version variable of each block, so a block is refused
+    # while any is empty: the neuron backend's is complete, TorchNeuron's is not yet.
+    for software in NODE_SOFTWARE.values():
+        prefix = software.release_variable.removesuffix("RELEASE")
+        assert set(software.pin_variables) == set(re.findall(rf"^({prefix}[A-Z_]+_VERSION)=", text, re.MULTILINE))
+    assert NODE_SOFTWARE["neuron"].unpinned() == ()
+    assert NODE_SOFTWARE["torch-native"].unpinned() == tuple(TEST_VERSIONS)
     for variable, version in {
         "NEURON_DKMS_VERSION": APT_PINS["aws-neuronx-dkms"],
         "NEURON_COLLECTIVES_VERSION": APT_PINS["aws-neuronx-collectives"],
@@ -241,10 +269,49 @@ def test_option_without_value_is_rejected(node_files) -> None:
     assert "--neuron-release requires a value" in result.stderr
 
 
-def test_release_other_than_the_pinned_one_is_rejected(node_files) -> None:
+def test_release_other_than_the_pinned_ones_is_rejected(node_files) -> None:
     result = run_script(["--neuron-release", "2.27.0", "--shared-env", SHARED_ENV, "--dry-run"], node_files())
     assert result.returncode == 2
-    assert f"does not match the release pinned in this script ({RELEASE})" in result.stderr
+    assert "does not match a release pinned in this script" in result.stderr
+    assert f"({RELEASE}: neuronx-distributed; {TORCHNEURON_RELEASE}: TorchNeuron)" in result.stderr
+
+
+def test_the_unpinned_torchneuron_release_is_refused_before_anything_is_installed(node_files) -> None:
+    result = run_script(TORCHNEURON_ARGS, node_files(os_release=UBUNTU_2404, cfn_node_type="ComputeFleet"))
+    assert result.returncode == 2
+    assert f"the TorchNeuron release {TORCHNEURON_RELEASE} is not pinned in this script yet (empty: " in result.stderr
+    assert "TORCHNEURON_NKI_VERSION); fill in its versions" in result.stderr
+    assert "DRY-RUN" not in result.stdout
+
+
+def test_the_torchneuron_release_installs_its_own_block_on_ubuntu_2404(node_files, tmp_path: Path) -> None:
+    """--neuron-release chooses the pinned block: TorchNeuron's apt packages on a trn2 node, its pip packages (nki,
+    no neuronx-distributed) in its own environment with its own lock, on Ubuntu 24.04's Python 3.12."""
+    pinned = pinned_copy(tmp_path)
+    arguments = TORCHNEURON_ARGS
+    compute = run_script(arguments, node_files(os_release=UBUNTU_2404, cfn_node_type="ComputeFleet"), pinned)
+    assert compute.returncode == 0, compute.stderr
+    (install,) = [c for c in dry_run_commands(compute.stdout) if " apt-get " in f" {c} " and " install " in c]
+    for name, version in TORCHNEURON_APT_PINS.items():
+        assert f"{name}={version}\\*" in install.split(), f"{name} is not pinned to {version}"
+    head = run_script([*arguments, "--env-only", "--node-type", "head"], node_files(os_release=UBUNTU_2404), pinned)
+    assert head.returncode == 0, head.stderr
+    commands = dry_run_commands(head.stdout)
+    (pip,) = [c for c in commands if " -m pip install " in c and "--extra-index-url" in c]
+    assert {f"{name}=={version}" for name, version in TORCHNEURON_PIP_PINS.items()} <= set(pip.split())
+    assert "neuronx-distributed" not in pip and pip.startswith(f"/fsx/envs/.torchneuron-{TORCHNEURON_RELEASE}.env-")
+    assert any(c.startswith(f"python3.12 -m venv /fsx/envs/.torchneuron-{TORCHNEURON_RELEASE}.env-") for c in commands)
+
+
+def test_the_torchneuron_release_refuses_ubuntu_2204s_python(node_files, tmp_path: Path) -> None:
+    env = node_files(os_release=UBUNTU_2204, cfn_node_type="ComputeFleet")
+    result = run_script(TORCHNEURON_ARGS, env, pinned_copy(tmp_path))
+    assert result.returncode == 1
+    assert (
+        f"Python 3.10 of ubuntu 22.04 is not supported by Neuron {TORCHNEURON_RELEASE} (supported: 3.12 3.13 3.14)"
+        in result.stderr
+    )
+    assert "DRY-RUN" not in result.stdout
 
 
 @pytest.mark.parametrize("shared_env", ["fsx/envs/neuron", "/fsx", "/fsx/../etc/venv", "/fsx/my env"])

@@ -505,6 +505,10 @@ def test_a_submit_that_cannot_be_sent_completes_without_a_run(
         ({"NeuronRelease": None}, "SharedEnvironmentPath and NeuronRelease go together"),
         ({"SharedEnvironmentPath": "envs/x"}, "property SharedEnvironmentPath must be an absolute path"),
         ({"NeuronRelease": "latest"}, "property NeuronRelease must look like 2.28.1"),
+        (
+            {"RequirementsInSource": "../../etc/passwd"},
+            "property RequirementsInSource must name a locked requirement set of the source",
+        ),
     ],
 )
 def test_bad_properties_fail_at_once_with_their_name(change: dict[str, Any], message: str) -> None:

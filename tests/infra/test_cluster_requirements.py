@@ -1,21 +1,51 @@
-"""The cluster's locked requirement set: complete, consistent and installable on the nodes' Python, checked
-with pip's own resolver (it reads package metadata from PyPI; nothing is installed)."""
+"""The node software sets' locked requirement sets: complete, consistent and installable on the Python of every
+OS each set runs on, checked with pip's own resolver (it reads package metadata from PyPI; nothing is installed)."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+import tomllib
 
-from stacks.cluster_requirements import LOCK, REQUIREMENTS_IN, SOURCE_ONLY, normalized, pins_of, read_lock, resolve
+from stacks.cluster_requirements import (
+    REQUIREMENTS_IN,
+    ROOT,
+    SOURCE_ONLY,
+    normalized,
+    pins_of,
+    read_lock,
+    resolve,
+)
+from training.software import NODE_OPERATING_SYSTEMS, NODE_SOFTWARE
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 
-def test_lock_resolves_to_itself_for_the_nodes_python() -> None:
-    """Resolving the lock for CPython 3.10 installs exactly the lock: every dependency of every pin is in it,
-    at a version that satisfies everything that needs it, with a wheel for the nodes' platform."""
-    assert pins_of(resolve(["-r", str(LOCK)])) == list(read_lock())
+SOFTWARE_ON_OS = [(backend, os) for backend, software in NODE_SOFTWARE.items() for os in software.operating_systems]
+
+
+@pytest.mark.parametrize(("backend", "os"), SOFTWARE_ON_OS)
+def test_each_lock_resolves_to_itself_for_the_python_of_every_os_it_runs_on(backend: str, os: str) -> None:
+    """Resolving a lock for an OS's CPython and glibc installs exactly the lock: every dependency of every pin is
+    in it, at a version that satisfies everything that needs it, with a wheel for that platform (the neuron
+    backend's on Ubuntu 22.04's 3.10 and 24.04's 3.12; TorchNeuron's on 24.04's 3.12)."""
+    lock = NODE_SOFTWARE[backend].lock  # type: ignore[index]
+    assert pins_of(resolve(["-r", str(lock)], NODE_OPERATING_SYSTEMS[os])) == list(read_lock(lock))
+
+
+def test_the_torchneuron_lock_pins_what_the_tests_run_the_torch_native_backend_with() -> None:
+    """The trn2 nodes' environment is the one this project tests the torch-native backend in: the same torch,
+    transformers and every other pin of pyproject.toml's runtime and `training` extra, resolved for Python 3.12."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    tested = {normalized(pin): pin for pin in (*project["dependencies"], *project["optional-dependencies"]["training"])}
+    software = NODE_SOFTWARE["torch-native"]
+    wanted = [line.split("#", 1)[0].strip() for line in software.requirements_in.read_text().splitlines()]
+    pinned = {normalized(pin): pin for pin in wanted if "==" in pin}
+    assert pinned == tested
+    locked = {normalized(pin): pin.split("==")[1] for pin in read_lock(software.lock)}
+    assert {name: pin.split("==")[1] for name, pin in tested.items()}.items() <= locked.items()
+    assert not [name for name in locked if name.startswith(("torch-xla", "neuronx"))]
 
 
 def test_lock_has_exact_pins_and_every_direct_requirement() -> None:

@@ -99,7 +99,7 @@ RULES = {
         {"compute.gpus": 8},
         "environments-under-test/candidate.yaml: compute.gpus: unknown key; allowed keys here: "
         "instance_type, queue_name, min_count, max_count, efa, placement_group, capacity, "
-        "root_volume_gib, scaledown_idle_minutes, queue_update_strategy, custom_ami",
+        "root_volume_gib, scaledown_idle_minutes, queue_update_strategy, backend, custom_ami",
     ),
     "unknown top-level key": (
         {"vpc": {"cidr": "10.0.0.0/16"}},
@@ -284,6 +284,26 @@ RULES = {
         "environments-under-test/candidate.yaml: os: 'alinux2023' is not allowed; "
         "allowed: ubuntu2204, ubuntu2404 (the Neuron bootstrap supports only these)",
     ),
+    "torchneuron on trainium1": (
+        {"compute.backend": "torch-native"},
+        "environments-under-test/candidate.yaml: compute.backend: 'torch-native' is not allowed; allowed: neuron on "
+        "trn1.32xlarge (TorchNeuron (Neuron's native PyTorch backend, PyTorch 2.13) runs on trn2 only)",
+    ),
+    "torchneuron before its block is pinned": (
+        {"compute.instance_type": "trn2.48xlarge", "compute.max_count": 1},
+        "environments-under-test/candidate.yaml: compute.backend: 'torch-native' is not allowed; allowed: neuron for "
+        "now (the default on trn2): the bootstrap script's block for release 2.34.0 is not pinned yet (empty: "
+        "TORCHNEURON_DKMS_VERSION, TORCHNEURON_COLLECTIVES_VERSION, TORCHNEURON_RUNTIME_LIB_VERSION, "
+        "TORCHNEURON_TOOLS_VERSION, TORCHNEURON_TORCH_NEURONX_VERSION, TORCHNEURON_NEURONX_CC_VERSION, "
+        "TORCHNEURON_NKI_VERSION); fill them in from Neuron's release artifacts page",
+    ),
+    "recipe on another backend than the queue's software": (
+        {"compute.instance_type": "trn2.48xlarge", "compute.max_count": 1, "compute.backend": "neuron"},
+        "environments-under-test/candidate.yaml: pipeline.recipe: 'llama31-8b-cpt' is not allowed; allowed: a "
+        "recipe on the queue's software (Neuron 2.28 (neuronx-distributed, PyTorch/XLA 2.9), compute.backend "
+        "neuron): the recipe runs backend torch-native on trn2; set compute.backend: torch-native or override "
+        "backend=neuron",
+    ),
     "placement group off with efa": (
         {"compute.placement_group": False},
         "environments-under-test/candidate.yaml: compute.placement_group: False is not allowed; "
@@ -454,6 +474,33 @@ def env_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_each_rule_rejects_with_one_clear_line(rule: str, env_dir: Path) -> None:
     changes, expected = RULES[rule]
     assert problems_for(env_dir, changes) == [expected]
+
+
+TORCHNEURON_ON_2204 = (
+    "environments-under-test/candidate.yaml: os: 'ubuntu2204' is not allowed; allowed: ubuntu2404 for the "
+    "torch-native backend's TorchNeuron (Neuron's native PyTorch backend, PyTorch 2.13): its wheels need Python 3.12 "
+    "(ParallelCluster does not run Ubuntu 26.04)"
+)
+
+
+def test_a_pinned_torchneuron_block_makes_trn2_queues_native(env_dir: Path, torchneuron_pinned: Path) -> None:
+    """Once the TorchNeuron block is pinned, a trn2 queue installs it by default and the recipes train there on
+    torch-native; Ubuntu 22.04 and a recipe left on neuron are refused in one line each, and a trn2 queue told
+    `backend: neuron` keeps NxD with the recipe overridden alike."""
+    trn2 = {"compute.instance_type": "trn2.48xlarge", "compute.max_count": 1}
+    write_environment(env_dir, {**trn2, "os": "ubuntu2404"})
+    config = load_environment("candidate", env_dir)
+    assert config.compute.node_software.backend == "torch-native" and config.compute.backend is None
+    assert problems_for(env_dir, trn2) == [TORCHNEURON_ON_2204]
+    mismatch = problems_for(env_dir, {**trn2, "os": "ubuntu2404", "pipeline.overrides": ["backend=neuron"]})
+    assert mismatch == [
+        "environments-under-test/candidate.yaml: pipeline.recipe: 'llama31-8b-cpt' is not allowed; allowed: a recipe "
+        "on the queue's software (TorchNeuron (Neuron's native PyTorch backend, PyTorch 2.13), compute.backend "
+        "torch-native): the recipe runs backend neuron on trn2; set compute.backend: neuron or override "
+        "backend=torch-native"
+    ]
+    write_environment(env_dir, {**trn2, "compute.backend": "neuron", "pipeline.overrides": ["backend=neuron"]})
+    assert load_environment("candidate", env_dir).compute.node_software.backend == "neuron"
 
 
 def test_an_account_with_a_raised_scratch_quota_may_use_it(env_dir: Path) -> None:

@@ -20,11 +20,7 @@ import yaml
 from aws_cdk import App
 
 from stacks.application import ENVIRONMENTS_DIR, build_app
-from stacks.cluster import (
-    BOOTSTRAP_SCRIPT,
-    bootstrap_arguments,
-    pinned_neuron_release,
-)
+from stacks.cluster import BOOTSTRAP_SCRIPT, bootstrap_arguments
 from stacks.cluster_requirements import LOCK, ROOT, normalized, read_lock
 from stacks.config import EnvironmentConfig, load_environment
 from stacks.pcluster_config import ClusterResources, build_cluster_configuration
@@ -40,6 +36,7 @@ from tests.support.pcluster_offline import (
 )
 from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized, cdk_json_context
 from training.config.hardware import HARDWARE
+from training.software import NODE_SOFTWARE, pinned_neuron_release
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
@@ -502,6 +499,49 @@ def test_the_trn2_environment_passes_parallelcluster_validation_with_its_block(
     assert (
         INSTANCE_TYPES["trn2.48xlarge"]["NetworkInfo"]["MaximumNetworkCards"] == HARDWARE["trn2.48xlarge"].efa_devices
     )
+
+
+def node_software_of(env: Synthesized) -> tuple[dict[str, Any], list[list[str]], dict[str, Any]]:
+    """The resolved cluster configuration, every node's OnNodeConfigured arguments, and the pipeline trigger's
+    properties."""
+    configuration = resolved_configuration(env)
+    queues = configuration["Scheduling"]["SlurmQueues"]
+    actions = (configuration["HeadNode"]["CustomActions"], *(queue["CustomActions"] for queue in queues))
+    (trigger,) = [r for r in env.template["Resources"].values() if "RequirementsInSource" in r.get("Properties", {})]
+    return configuration, [a["OnNodeConfigured"]["Args"] for a in actions], trigger["Properties"]
+
+
+def assert_installs(env: Synthesized, backend: str) -> dict[str, Any]:
+    """Every node gets `backend`'s release, environment and lock, and the pipeline rebuilds that environment from
+    the same lock in the shipped source."""
+    software = NODE_SOFTWARE[backend]  # type: ignore[index]
+    release = software.release()
+    configuration, arguments, trigger = node_software_of(env)
+    for node in arguments:
+        assert node[:4] == ["--neuron-release", release, "--shared-env", f"/fsx/envs/{software.env_prefix}-{release}"]
+        assert node[4] == "--requirements" and node[5].endswith(f"/cluster/{software.lock.name}")
+    assert (trigger["NeuronRelease"], trigger["RequirementsInSource"]) == (release, f"assets/node/{software.lock.name}")
+    return configuration
+
+
+def test_a_trn1_queue_keeps_neuron_2_28(default_env: Synthesized) -> None:
+    assert default_env.config.compute.node_software == NODE_SOFTWARE["neuron"]
+    assert_installs(default_env, "neuron")
+
+
+def test_a_trn2_queue_installs_the_pinned_torchneuron_release(tmp_path: Path, torchneuron_pinned: Path) -> None:
+    """A trn2 queue's own software once TorchNeuron's block is pinned (test versions): its release, environment
+    and lock on every node, on Ubuntu 24.04, which ParallelCluster's own validators accept with the instance type."""
+    env = synthesize_variant(
+        tmp_path, {"os": "ubuntu2404", "compute": {"instance_type": "trn2.48xlarge", "max_count": 1}}
+    )
+    assert env.config.compute.node_software == NODE_SOFTWARE["torch-native"]
+    configuration = assert_installs(env, "torch-native")
+    assert configuration["Image"]["Os"] == "ubuntu2404"
+    report = run_offline_validation(
+        configuration, cluster_name=env.config.cluster_name, region=env.config.region, **account_of(env)
+    )
+    assert errors_of(report.findings) == []
 
 
 def test_parallelcluster_rejects_a_reservation_of_another_type_zone_or_size(tmp_path: Path) -> None:

@@ -126,9 +126,14 @@ def test_a_trn2_site_runs_each_recipes_trn2_settings_at_lnc_2() -> None:
     """environments/trn2.yaml's site: the recipes' trn2 sections (1 node, TP 16), a process per logical core (64),
     the runtime's and the compiler's logical core size and target, the converter's trn2 K/V layout."""
     site = default_site("trn2")
-    assert site.instance_type == "trn2.48xlarge" and site.processes_per_node == 64
-    for recipe, layout in (("llama31-8b-cpt", "--tp 16"), ("mixtral-8x7b-sft", "--tp 16 --pp 4")):
-        plan = plan_run(load_recipe(recipe, generation="trn2"), site, "RUN-ID")  # as `submit` loads it there
+    assert site.instance_type == "trn2.48xlarge" and site.processes_per_node == 64 and site.backend == "neuron"
+    for recipe, layout, precision in (
+        ("llama31-8b-cpt", "--tp 16", "bf16-mixed"),
+        ("mixtral-8x7b-sft", "--tp 16 --pp 4", "bf16-sr"),
+    ):
+        # as `submit` loads it there, on the NxD software environments/trn2.yaml installs (compute.backend neuron)
+        overrides = ["backend=neuron", f"precision={precision}"]
+        plan = plan_run(load_recipe(recipe, overrides, generation="trn2"), site, "RUN-ID")
         assert (plan.resolved.generation, plan.resolved.nodes) == ("trn2", 1)
         scripts = render(plan)
         for stage in ("compile", "train"):
@@ -140,6 +145,30 @@ def test_a_trn2_site_runs_each_recipes_trn2_settings_at_lnc_2() -> None:
         assert f"{layout} --kv-size-multiplier 2 --target trn2" in convert_in.replace(" \\ ", " "), convert_in
     trn1 = rendered("llama31-8b-cpt", default_site())["train"]
     assert "export NEURON_LOGICAL_NC_CONFIG=1\n" in trn1 and "NEURON_CC_FLAGS='--target=trn1 --lnc=1 " in trn1
+
+
+def test_on_trn2_the_recipes_train_on_torch_native_without_neuron_parallel_compile() -> None:
+    """The recipes' trn2 sections choose the torch-native backend: on a site with TorchNeuron's software the
+    compile stage runs the two steps eagerly as a canary (neuron_parallel_compile is PyTorch/XLA's) and keeps no
+    XLA compile cache, while the Neuron runtime's settings stay."""
+    site = default_site("trn2").model_copy(update={"backend": "torch-native"})
+    for recipe in CLUSTER_RECIPES:
+        loaded = load_recipe(recipe, generation="trn2")
+        assert loaded.backend == "torch-native"
+        scripts = render(plan_run(loaded, site, "RUN-ID"))
+        assert "bin/neuron_parallel_compile" not in scripts["compile"] and "compile-cache" not in scripts["compile"]
+        assert "-m training train --recipe" in scripts["compile"] and " --compile" in scripts["compile"]
+        assert "export NEURON_LOGICAL_NC_CONFIG=2\n" in scripts["train"]
+
+
+def test_a_recipe_on_another_backend_than_the_sites_software_is_refused_at_submit() -> None:
+    with pytest.raises(UserError) as refused:
+        submit("llama31-8b-cpt", [], run_id="RUN-ID", site=default_site("trn2"), dry_run=True)
+    assert str(refused.value) == (
+        "backend: 'torch-native' is not allowed; allowed: neuron, the backend the site's nodes have software for "
+        "(its recipes pick it by generation; a cluster for torch-native is an environment with compute.backend: "
+        "torch-native)"
+    )
 
 
 def test_a_recipe_for_another_generation_than_the_sites_is_refused_at_submit(

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from stacks.cluster import BOOTSTRAP_SCRIPT, pinned_neuron_release
 from stacks.config import load_environment
 from stacks.pipeline_site import site_settings
 from tests.support.system_tools import require_tool
@@ -21,6 +20,7 @@ from training.config.site import Site
 from training.pipeline.plan import STAGES, plan_run
 from training.pipeline.scripts import render, stage_command, stage_time_minutes
 from training.pipeline.submit import dependency_option
+from training.software import BOOTSTRAP_SCRIPT, pinned_neuron_release
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"

@@ -33,6 +33,8 @@ class BackendFacts:
     flash_reads_transposed: bool = False
     # Data parallelism shards parameters, gradients and optimizer state (FSDP2), not only the optimizer (ZeRO-1).
     fully_sharded: bool = False
+    # Runs on PyTorch/XLA: the compile stage traces the run with neuron_parallel_compile, which only XLA has.
+    xla: bool = False
 
 
 # The neuron backend compiles static graphs (so the dense dispatch), and NKI's flash attention kernel takes
@@ -40,7 +42,7 @@ class BackendFacts:
 FACTS: dict[Backend, BackendFacts] = {
     "cpu": BackendFacts(moe_dispatch="sparse", on_trainium=False),
     "neuron": BackendFacts(
-        moe_dispatch="dense", on_trainium=True, flash_attention_block=2048, flash_reads_transposed=True
+        moe_dispatch="dense", on_trainium=True, flash_attention_block=2048, flash_reads_transposed=True, xla=True
     ),
     # Eager PyTorch on Neuron (TorchNeuron) or on the CPU: dynamic shapes run as they come (a compiled run asks
     # for a static dispatch: `training.config.recipe`); torch's SDPA takes q, k, v with head_dim contiguous.

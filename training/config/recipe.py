@@ -213,6 +213,17 @@ class NeuronSection(StrictModel):
     )
 
 
+class TorchNativeSection(StrictModel):
+    """Settings of the torch-native backend (TorchNeuron on Trainium2; the CPU over gloo with TORCH_NATIVE_CPU=1)."""
+
+    compile: Bool = Field(
+        False,
+        description="torch.compile each decoder layer's forward (backend neuron; aot_eager on the CPU) with static "
+        "shapes, after tensor parallelism and FSDP2 are applied; a Mixtral model then needs moe.capacity_factor "
+        "(the capacity dispatch: TorchNeuron's compiler takes no dynamic shapes). Default: eager",
+    )
+
+
 # The throughput floor's fraction of the expected figure: above 0 (0 would be no floor: omit the expectation
 # instead), at most 1.
 FloorFraction = Annotated[
@@ -372,6 +383,7 @@ class Recipe(StrictModel):
     memory: MemorySection = MemorySection()
     moe: MoeSection = MoeSection()
     neuron: NeuronSection = NeuronSection()
+    torch_native: TorchNativeSection = TorchNativeSection()
     throughput: ThroughputSection = ThroughputSection()
     schedule: ScheduleSection = ScheduleSection()
     backend: Backend = "neuron"
@@ -519,6 +531,14 @@ def validate(recipe: Recipe) -> list[str]:
                 "and reduction; stochastic rounding is neuronx-distributed's optimizer's)",
             )
         )
+    if recipe.torch_native.compile and recipe.backend != "torch-native":
+        problems.append(
+            not_allowed(
+                "torch_native.compile",
+                recipe.torch_native.compile,
+                f"false on backend {recipe.backend} (torch.compile of the decoder layers is backend torch-native's)",
+            )
+        )
     if recipe.parallelism.sequence_parallel and recipe.batch.seq_len % recipe.parallelism.tp:
         problems.append(
             not_allowed(
@@ -552,6 +572,19 @@ def validate(recipe: Recipe) -> list[str]:
     if recipe.evaluate is not None:
         problems += _evaluate_problems(recipe.evaluate)
     return problems
+
+
+def sparse_dispatch_compiled() -> str:
+    """torch_native.compile's rule the recipe alone cannot check (whether the model has experts is its config's):
+    a Mixtral model's sparse dispatch runs each expert on a token count that changes every step, dynamic shapes
+    that a static compile (`dynamic=False`, as TorchNeuron's compiler requires) recompiles for each new count.
+    The torch-native backend refuses it as the model is built (`training.model.native_backend`)."""
+    return not_allowed(
+        "torch_native.compile",
+        True,
+        "false with a Mixtral model's sparse MoE dispatch (dynamic shapes: each expert's token count changes every "
+        "step), or set moe.capacity_factor (the capacity dispatch: static shapes)",
+    )
 
 
 def _evaluate_problems(evaluate: EvaluateSection) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Annotated
 
 from pydantic import Field, Strict
 
+from training.config.backends import Backend
 from training.config.loading import Allowed, Bool, PositiveInt, Str, StrictModel, build, read_mapping
 from training.config.recipe import HubRepo
 from training.config.tracking import Tracking
@@ -87,6 +88,11 @@ class Site(StrictModel):
     )
     exclusive: Bool = False
     neuron: Bool = Field(False, description="Neuron environment variables and neuron_parallel_compile")
+    backend: Backend | None = Field(
+        None,
+        description="the training backend the nodes' software serves (the deployment's compute.backend: neuron or "
+        "torch-native); a recipe on another Trainium backend is refused at submission; omit: not checked",
+    )
     efa: Bool = False
     compile_cache: FlagPath = "/fsx/neuron-cache"
     compile_cache_store: S3Uri | None = Field(

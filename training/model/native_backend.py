@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from training.config.hardware import DEFAULT_GENERATION, Generation
 from training.config.loading import not_allowed
+from training.config.recipe import sparse_dispatch_compiled
 from training.errors import UserError
 from training.model import cpu_backend, cpu_groups, native_layers
 from training.model.cpu_groups import dp_group, dp_size, pp_group, tp_group
@@ -36,6 +37,7 @@ from training.model.native_layers import (
     ParallelEmbedding,
     RowParallelLinear,
 )
+from training.model.transformer import MoE
 
 if TYPE_CHECKING:
     from training.model.parallel import Declaration
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
 LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding, GQAQKVColumnParallelLinear)
 CPU_MODE = "TORCH_NATIVE_CPU"  # "1": run on the CPU over gloo (tests, and the comparison run Neuron recommends)
 NEURON_GENERATIONS: tuple[Generation, ...] = ("trn2",)  # TorchNeuron supports trn2 and trn3, not trn1
+# `initialize`'s option (the recipe's torch_native.compile): the decoder layers are compiled once the model is
+# final (`training.train.native_training.compile_decoder_layers`)
+COMPILE_OPTION = "compile_decoder_layers"
 
 # The layers' names this backend implements (`native_layers`); with this module's own functions (`OWN_FUNCTIONS`)
 # they are what `resolve` finds here, every other declared name being the cpu backend's.
@@ -50,6 +55,7 @@ LAYER_NAMES = (*(layer.__name__ for layer in LAYERS), "vocab_parallel_cross_entr
 OWN_FUNCTIONS = ("device", "move_model_to_device", "nki_flash_attn_func")
 
 _mesh: DeviceMesh | None = None
+_compiled = False
 
 
 def cpu_mode() -> bool:
@@ -61,8 +67,10 @@ def device_type() -> str:
 
 
 def initialize(tp: int, pp: int, options: Mapping[str, Any], generation: Generation = DEFAULT_GENERATION) -> None:
-    """The world (gloo on the CPU, `neuron` on Trainium), the cpu backend's groups, and the mesh made of them."""
-    global _mesh
+    """The world (gloo on the CPU, `neuron` on Trainium), the cpu backend's groups, and the mesh made of them;
+    `options`: `COMPILE_OPTION`, whether the decoder layers are compiled."""
+    global _mesh, _compiled
+    _compiled = bool(options.get(COMPILE_OPTION, False))
     if not cpu_mode():
         _start_neuron_world(generation)
     cpu_groups.initialize(tp, pp, options, generation)
@@ -96,10 +104,19 @@ def mesh() -> DeviceMesh:
     return _mesh
 
 
+def compiler() -> str | None:
+    """The torch.compile backend of the decoder layers: None when they run eagerly (the default); TorchNeuron's
+    `neuron` on Trainium; on the CPU torch's `aot_eager` (AOTAutograd's forward and backward graphs run by eager
+    kernels, no fused code: the numerics of the eager run, the graphs `neuron` would get)."""
+    if not _compiled:
+        return None
+    return "aot_eager" if cpu_mode() else "neuron"
+
+
 def destroy() -> None:
-    global _mesh
+    global _mesh, _compiled
     native_layers.use_mesh(None)
-    _mesh = None
+    _mesh, _compiled = None, False
     cpu_groups.destroy()
 
 
@@ -128,7 +145,10 @@ def move_model_to_device(model: nn.Module, device: torch.device) -> None:
     """`model.to(device)`; every other tensor-parallel parameter (one `set_tensor_model_parallel_attributes`
     marked: the MoE experts) placed as a DTensor `Shard(partition_dim)` too, so FSDP2, the norm and Distributed
     Checkpoint see every shard as one; then the gradient hooks (`native_layers.place_gradients`) on the
-    parameters as they are now. Every model is built with this call last."""
+    parameters as they are now. Every model is built with this call last; a model to be compiled with an MoE
+    dispatch of dynamic shapes is refused here, before any weights are loaded."""
+    if _compiled and any(isinstance(m, MoE) and m.dispatch == "sparse" for m in model.modules()):
+        raise UserError(sparse_dispatch_compiled())
     model.to(device)
     for module in model.modules():
         marked = [

@@ -135,7 +135,7 @@ def read_inputs(run_dir: Path, *, plot: bool) -> CardInputs:
         recipe_yaml=recipe_yaml,
         overrides=tuple(str(o) for o in overrides) if isinstance(overrides, list) else (),
         data=_parsed((Path(data_path) if data_path else run_dir / "data") / outputs.MANIFEST, data_from_manifest),
-        pins=software.running_pins(),
+        pins=software.running_pins(backend=recipe.backend if recipe else "neuron"),
         packages=software.package_versions(),
         plot=plot,
         evaluation=_parsed(run_dir / "evaluation.json", evaluation_from_json),

@@ -103,6 +103,16 @@ def check_launch(recipe: Recipe, site: Site) -> None:
                 "from the site)",
             )
         )
+    on_trainium = FACTS[recipe.backend].on_trainium
+    if site.backend is not None and on_trainium and recipe.backend != site.backend:
+        raise UserError(
+            not_allowed(
+                "backend",
+                recipe.backend,
+                f"{site.backend}, the backend the site's nodes have software for (its recipes pick it by generation; "
+                f"a cluster for {recipe.backend} is an environment with compute.backend: {recipe.backend})",
+            )
+        )
     if hardware is not None and site.neuron and per_node > hardware.cores_per_node:
         raise UserError(
             f"site processes_per_node {per_node} is more than the {hardware.cores_per_node} NeuronCores of "

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from training.config.backends import FACTS
 from training.config.hardware import CHIPS, Hardware
 from training.config.precision import NEURON_ENVIRONMENT
 from training.config.recipe import Recipe
@@ -257,16 +258,17 @@ def render(plan: RunPlan) -> dict[str, str]:
             "stop_file": STOP_FILE,
         }
         if stage.distributed:
+            # On XLA the compile stage traces every graph ahead of the run; an eager backend (torch-native) runs its
+            # two steps as they are, a short canary of the run before the long job.
+            precompiles = stage.name == "compile" and site.neuron and FACTS[recipe.backend].xla
             context |= {
                 "processes_per_node": processes_per_node(recipe, site),
                 "rendezvous_ports": RENDEZVOUS_PORTS,
-                "launcher": f"{os.path.dirname(python)}/neuron_parallel_compile"
-                if stage.name == "compile" and site.neuron
-                else "",
+                "launcher": f"{os.path.dirname(python)}/neuron_parallel_compile" if precompiles else "",
                 "retry_failed_compilation": recipe.neuron.retry_failed_compilation,
                 "train_arguments": "--compile" if stage.name == "compile" else "--resume",
                 # The Neuron compile cache kept in the results bucket (training.pipeline.compile_cache).
-                "compile_cache_store": site.compile_cache_store if stage.name == "compile" and site.neuron else None,
+                "compile_cache_store": site.compile_cache_store if precompiles else None,
                 "max_restarts": site.max_restarts,
                 "precision": recipe.precision,
                 "precision_environment": NEURON_ENVIRONMENT[recipe.precision],

@@ -21,12 +21,16 @@ load to any layout), beside the shared layout's schedule, run position and rando
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -44,7 +48,7 @@ from training.config.recipe import OptimizerSection, Precision, Recipe
 from training.errors import UserError
 from training.formats.distributed import DCP_DIRECTORY, TP_LAYOUT, tp_layout
 from training.model import native_backend, parallel
-from training.model.transformer import CausalLM, DecoderLayer
+from training.model.transformer import CausalLM, DecoderLayer, MoE
 from training.train.backend import TrainingBackend
 from training.train.checkpointing import (
     finish_saving,
@@ -57,6 +61,8 @@ from training.train.cpu_precision import MasterWeights
 from training.train.native_pipeline import TorchPipeline
 from training.train.optimizer import TrainingOptimizer, clip_by_global_norm, split_by_replication
 from training.train.pp_schedule import PPSchedule
+
+log = logging.getLogger(__name__)
 
 
 def tp_dimension(tensor: torch.Tensor) -> int | None:
@@ -91,6 +97,39 @@ def shard_data_parallel(model: CausalLM, precision: Precision) -> None:
         register_fsdp_forward_method(model, "forward_stage")
 
 
+def compile_decoder_layers(model: CausalLM) -> None:
+    """With torch_native.compile: each decoder layer's forward compiled in place, as TorchTitan compiles its
+    transformer blocks. The layers are the model's repeated work: one graph that `neuron` compiles once and every
+    layer reuses (same code and shapes), static (`dynamic=False`: TorchNeuron's compiler rejects dynamic shapes).
+    A dense layer is one whole graph (`fullgraph`, as TorchNeuron recommends); an MoE layer is not (fullgraph
+    off): its experts' collectives are the cpu backend's autograd functions on the process group, which dynamo
+    runs between graphs. Compiled after DTensor's tensor parallelism and FSDP2 are applied: the forward is traced
+    with its DTensor collectives, FSDP2's hooks around it (gathering and freeing the layer's parameters) stay
+    eager, and the module, its parameter names and its checkpoints stay the same."""
+    compiler = native_backend.compiler()
+    if compiler is None:
+        return
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, DecoderLayer)}
+    whole = {name: not isinstance(layer.mlp, MoE) for name, layer in layers.items()}
+    for name, layer in layers.items():
+        compiled = torch.compile(layer.forward, backend=compiler, dynamic=False, fullgraph=whole[name])
+        layer.forward = functools.partial(_waited_input, compiled)  # type: ignore[method-assign]
+    if parallel.world_rank() == 0:
+        log.info(
+            f"torch.compile: {len(layers)} decoder layers ({', '.join(layers)}) with backend {compiler}, "
+            f"fullgraph {all(whole.values())}, static shapes"
+        )
+
+
+def _waited_input(compiled: Callable[..., Any], x: torch.Tensor, *rest: Any) -> Any:
+    """The compiled layer on a plain tensor: the first layer's input is DTensor's asynchronous all-reduce of the
+    embedding (an `AsyncCollectiveTensor`), whose gradient a compiled graph returns unplaced (torch 2.13: the
+    embedding's backward then fails); copied here, eagerly and differentiably, the collective waited for."""
+    if isinstance(x, AsyncCollectiveTensor):
+        x = x.clone()
+    return compiled(x, *rest)
+
+
 class NativeOptimizer:
     """torch's AdamW over the FSDP2-sharded parameters, clipped by the model's global gradient norm."""
 
@@ -106,6 +145,7 @@ class NativeOptimizer:
         if parallel.dp_size() > 1 or precision != "fp32":  # one replica in fp32: nothing to shard or cast (as
             # the planner counts it: `training.train.memory.fully_sharded`)
             shard_data_parallel(model, precision)
+        compile_decoder_layers(model)  # the model is final: its layers placed over TP, sharded over DP
         parameters = dict(model.named_parameters())  # FSDP2's sharded parameters, under the same names
         groups = [{**g, "params": [parameters[n] for n in ns]} for g, ns in zip(groups, group_names, strict=True)]
         self.inner: Any = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
@@ -137,7 +177,7 @@ class NativeTraining:
         """Any layout the configuration allows runs here (the generation is checked where the world starts)."""
 
     def parallel_options(self, recipe: Recipe) -> dict[str, Any]:
-        return {}
+        return {native_backend.COMPILE_OPTION: recipe.torch_native.compile}
 
     def pp_schedule(self, model: CausalLM, micro_batches: int, micro: int, seq_len: int, *, zero1: bool) -> PPSchedule:
         return TorchPipeline(model, micro_batches, micro, seq_len)
@@ -206,7 +246,16 @@ class NativeTraining:
         return None
 
     def graph_counters(self) -> dict[str, int]:
-        return {}
+        """With compiled decoder layers, dynamo's cumulative counts: the graphs it compiled (the layers share
+        theirs; validation's no-grad forward is another; an MoE layer's are cut at its collectives) and the graph
+        breaks between them (none in a dense layer)."""
+        if native_backend.compiler() is None:
+            return {}
+        stats = torch._dynamo.utils.counters
+        return {
+            "compiled_graphs": int(stats["stats"]["unique_graphs"]),
+            "graph_breaks": sum(stats["graph_break"].values()),
+        }
 
 
 TRAINING_BACKEND: TrainingBackend = NativeTraining()

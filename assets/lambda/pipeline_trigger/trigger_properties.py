@@ -13,6 +13,9 @@ from typing import Any
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/-]*$")
+# The shipped source's locked requirement sets (one per node software set), relative to the source's root.
+REQUIREMENTS_IN_SOURCE = re.compile(r"assets/node/[A-Za-z0-9_-]+-requirements\.txt")
+DEFAULT_REQUIREMENTS = "assets/node/cluster-requirements.txt"
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Props:
     export_optimizer_state: bool  # on destroy, export training checkpoints' optimizer state too
     shared_env: str | None  # the environment to bring up to date before submitting; None: left as it is
     neuron_release: str | None
+    requirements: str  # the shared environment's locked requirement set, a path in the shipped source
     file_system_id: str
     mount_dir: str
     output_bucket: str
@@ -105,6 +109,12 @@ def parse_properties(raw: Mapping[str, Any]) -> Props:
         raise ValueError(f"property SharedEnvironmentPath must be an absolute path, got {shared_env!r}")
     if neuron_release is not None and not re.fullmatch(r"\d+\.\d+\.\d+", str(neuron_release)):
         raise ValueError(f"property NeuronRelease must look like 2.28.1, got {neuron_release!r}")
+    requirements = raw.get("RequirementsInSource", DEFAULT_REQUIREMENTS)
+    if not isinstance(requirements, str) or not REQUIREMENTS_IN_SOURCE.fullmatch(requirements):
+        raise ValueError(
+            "property RequirementsInSource must name a locked requirement set of the source, such as "
+            f"{DEFAULT_REQUIREMENTS}, got {requirements!r}"
+        )
     return Props(
         head_node=text("HeadNodeInstanceId"),
         cluster=text("ClusterName"),
@@ -119,6 +129,7 @@ def parse_properties(raw: Mapping[str, Any]) -> Props:
         export_optimizer_state=parse_bool(raw.get("ExportOptimizerState", "false"), "ExportOptimizerState"),
         shared_env=shared_env,
         neuron_release=None if neuron_release is None else str(neuron_release),
+        requirements=requirements,
         file_system_id=text("FileSystemId"),
         mount_dir=mount_dir,
         output_bucket=text("OutputBucket"),

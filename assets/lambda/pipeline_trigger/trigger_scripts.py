@@ -27,9 +27,8 @@ def site_file_text(site: Mapping[str, Any], source_dir: str) -> str:
     return json.dumps({**site, "setup": setup}, sort_keys=True)
 
 
-# Where the shipped source keeps the node bootstrap and the cluster's locked requirement set.
+# Where the shipped source keeps the node bootstrap (the locked requirement set: Props.requirements).
 BOOTSTRAP_IN_SOURCE = "assets/node/on_node_configured.sh"
-LOCK_IN_SOURCE = "assets/node/cluster-requirements.txt"
 
 
 def environment_sync_lines(props: Props) -> list[str]:
@@ -41,7 +40,7 @@ def environment_sync_lines(props: Props) -> list[str]:
     return [
         f'bash "$source_dir/{BOOTSTRAP_IN_SOURCE}" --env-only --node-type head'
         f" --neuron-release {q(props.neuron_release)} --shared-env {q(props.shared_env)}"
-        f' --requirements "$source_dir/{LOCK_IN_SOURCE}"',
+        f' --requirements "$source_dir/{props.requirements}"',
     ]
 
 

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from training.config.recipe import RECIPES_DIR, ScheduleSection, load_recipe, recipe_as_dict
+from training.config.recipe import (
+    RECIPES_DIR,
+    ScheduleSection,
+    load_recipe,
+    recipe_as_dict,
+    sparse_dispatch_compiled,
+)
 from training.errors import UserError
 from training.train.batches import BatchPlan
 from training.train.optimizer import learning_rate
@@ -107,6 +113,11 @@ def test_every_problem_is_reported_at_once_one_line_each(tmp_path: Path) -> None
             ["memory.activation_checkpointing=some"],
             "memory.activation_checkpointing: 'some' is not allowed; allowed: none, selective, full",
         ),
+        (
+            ["torch_native.compile=true"],
+            "torch_native.compile: True is not allowed; allowed: false on backend cpu (torch.compile of the decoder "
+            "layers is backend torch-native's)",
+        ),
         (["model=3"], "model: 3 is not allowed; allowed: a mapping of keys"),
         (["generation=trn3"], "generation: 'trn3' is not allowed; allowed: trn1, trn2"),
         (["generations=[1]"], "generations: [1] is not allowed; allowed: a mapping of generation to settings"),
@@ -120,6 +131,18 @@ def test_each_recipe_rule_rejects_with_one_line(overrides: list[str], problem: s
     with pytest.raises(UserError) as caught:
         load_recipe("tiny-llama-cpt", overrides)
     assert str(caught.value) == f"{RECIPES_DIR / 'tiny-llama-cpt.yaml'}: {problem}"
+
+
+def test_a_compiled_run_asks_for_a_static_moe_dispatch() -> None:
+    """The rule the recipe alone cannot check (its model's experts): the torch-native backend refuses it as the
+    model is built (tests/training/train/test_native.py runs it), in this line."""
+    recipe = load_recipe("tiny-mixtral-sft", ["backend=torch-native", "torch_native.compile=true"])
+    assert recipe.torch_native.compile and recipe.moe.capacity_factor is None  # the recipe alone passes
+    assert sparse_dispatch_compiled() == (
+        "torch_native.compile: True is not allowed; allowed: false with a Mixtral model's sparse MoE dispatch "
+        "(dynamic shapes: each expert's token count changes every step), or set moe.capacity_factor (the capacity "
+        "dispatch: static shapes)"
+    )
 
 
 COMPILER_FLAG = (

@@ -37,7 +37,7 @@ def test_every_problem_is_one_line(tmp_path: Path) -> None:
         f"{path}: processes_per_node: 0 is not allowed; allowed: an integer above 0 (or omit it)",
         f"{path}: neuron: 'yes please' is not allowed; allowed: true or false",
         f"{path}: queue: unknown key; allowed keys here: name, runs_root, results, python, setup, slurm_bin, "
-        "partition, cpu_partition, processes_per_node, instance_type, exclusive, neuron, efa, compile_cache, "
+        "partition, cpu_partition, processes_per_node, instance_type, exclusive, neuron, backend, efa, compile_cache, "
         "compile_cache_store, compile_cache_promoter, max_restarts, preflight, time_minutes, region, "
         "metrics_namespace, tracking, models_dir, models_uri, hub_token_secret_arn, hub_write_token_secret_arn, "
         "hub_push_repo, hub_private, node_usd_per_hour, environment_usd_per_hour, budget_monthly_usd, "

@@ -29,7 +29,15 @@ from training.local.tiny import sample_documents, tiny_model, write_jsonl
 from training.pipeline import card, card_inputs
 from training.pipeline.export import export
 from training.pipeline.plan import plan_run
-from training.software import BOOTSTRAP_SCRIPT, CLUSTER_LOCK, ENV_MARKER, Pins, pinned_neuron_release, running_pins
+from training.software import (
+    BOOTSTRAP_SCRIPT,
+    CLUSTER_LOCK,
+    ENV_MARKER,
+    NODE_SOFTWARE,
+    Pins,
+    pinned_neuron_release,
+    running_pins,
+)
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
@@ -295,6 +303,11 @@ def test_the_pins_come_from_the_environment_marker_else_from_the_shipped_source(
     assert shipped is not None and shipped.neuron_release == pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
     assert shipped.lock_sha256 == hashlib.sha256(CLUSTER_LOCK.read_bytes()).hexdigest()
     assert running_pins(tmp_path / "no-marker", root=tmp_path / "installed-without-source") is None
+    # A torch-native run's card names the TorchNeuron release and lock the trn2 nodes install.
+    native = running_pins(tmp_path / "no-marker", backend="torch-native")
+    software = NODE_SOFTWARE["torch-native"]
+    assert native is not None and native.neuron_release == software.release() != shipped.neuron_release
+    assert native.lock_sha256 == hashlib.sha256(software.lock.read_bytes()).hexdigest()
 
 
 def test_a_recipe_that_no_longer_loads_is_named_once_and_the_card_still_written(

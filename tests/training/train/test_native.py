@@ -3,7 +3,7 @@ FSDP2, pipeline stages and Distributed Checkpoint against the cpu backend, step 
 
 One cpu-backend run per tiny recipe is the reference (the cpu backend's own layouts equal each other: its
 tests); the torch-native backend runs it at TP 1, TP 2, TP 2 x FSDP 2, PP 2 (torch.distributed.pipelining) and
-PP 2 x FSDP 2.
+PP 2 x FSDP 2, and at TP 2 once more with its decoder layers compiled (torch_native.compile).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.support.training_runs import metrics, torchrun, world_overrides
+from training.config.recipe import sparse_dispatch_compiled
 from training.formats.convert import ConvertOptions, convert
 from training.model.native_backend import CPU_MODE
 from training.train.loop import KILL_AT_STEP
@@ -62,10 +63,19 @@ def settings(world: dict[str, Path], root: Path, tp: int, pp: int, backend: str)
     ]
 
 
-def run(world: dict[str, Path], architecture: str, root: Path, name: str, backend: str, **env: str) -> Path:
+def run(
+    world: dict[str, Path],
+    architecture: str,
+    root: Path,
+    name: str,
+    backend: str,
+    *extra: str,
+    tag: str = "",
+    **env: str,
+) -> Path:
     processes, tp, pp = LAYOUTS[name]
-    checkpoints = root / f"{architecture}-{backend}-{name}"
-    overrides = world_overrides(world, checkpoints, *settings(world, root, tp, pp, backend))
+    checkpoints = root / f"{architecture}-{backend}-{name}{tag}"
+    overrides = world_overrides(world, checkpoints, *settings(world, root, tp, pp, backend), *extra)
     result = torchrun(RECIPES[architecture], overrides, processes=processes, env={**ENVIRONMENT, **env})
     assert result.returncode == 0, result.stderr[-4000:]
     (checkpoints / LOG).write_text(result.stderr)
@@ -99,6 +109,66 @@ def test_torch_native_trains_as_the_cpu_backend(architecture: str, layout: str, 
         assert ("validation_loss" in record) == ("validation_loss" in reference) == (record["step"] % 2 == 0)
         if processes == tp * pp and "validation_loss" in record:  # one data-parallel rank reads the reference's rows
             assert record["validation_loss"] == pytest.approx(reference["validation_loss"], rel=TOLERANCE)
+
+
+# torch_native.compile at TP 2: Mixtral with the capacity dispatch (static shapes), at a factor that drops nothing
+# (4 experts, top 2: capacity = every token), so the cpu backend's sparse run stays the reference.
+COMPILED = {"llama": (), "mixtral": ("moe.capacity_factor=2",)}
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(
+    runs: dict[str, Path], llama_world_tp1: dict[str, Path], mixtral_world: dict[str, Path]
+) -> dict[str, Path]:
+    root = runs["llama-cpu"].parent
+    worlds = {"llama": llama_world_tp1, "mixtral": mixtral_world}
+    return {
+        architecture: run(
+            worlds[architecture],
+            architecture,
+            root,
+            "tp2",
+            "torch-native",
+            "torch_native.compile=true",
+            *extra,
+            tag="-compiled",
+        )
+        for architecture, extra in COMPILED.items()
+    }
+
+
+@pytest.mark.parametrize("architecture", list(COMPILED))
+def test_compiled_decoder_layers_train_as_the_eager_cpu_backend(
+    architecture: str, runs: dict[str, Path], compiled_runs: dict[str, Path]
+) -> None:
+    """torch.compile of each decoder layer (aot_eager on the CPU: AOTAutograd's graphs, eager kernels) changes no
+    number beyond the TP layout's own summation order; dynamo really compiled the layers (its counters in the
+    metrics, the backend's line naming them)."""
+    expected, actual = metrics(runs[f"{architecture}-cpu"]), metrics(compiled_runs[architecture])
+    assert [r["step"] for r in actual] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
+    for reference, record in zip(expected, actual, strict=True):
+        assert record["loss"] == pytest.approx(reference["loss"], rel=TOLERANCE), (reference, record)
+        assert record["grad_norm"] == pytest.approx(reference["grad_norm"], rel=TOLERANCE), (reference, record)
+        assert record["compiled_graphs"] >= 1
+        assert record.get("moe_dropped", 0.0) == 0.0
+    dense = architecture == "llama"
+    assert (actual[-1]["graph_breaks"] == 0) == dense  # a dense layer is one graph; MoE's collectives cut it
+    log = (compiled_runs[architecture] / LOG).read_text()
+    assert (
+        f"torch.compile: 2 decoder layers (model.layers.0, model.layers.1) with backend aot_eager, fullgraph {dense}, "
+        "static shapes" in log
+    )
+    assert "compiled_graphs" not in metrics(runs[f"{architecture}-tp2"])[-1]  # eager without the setting
+
+
+def test_a_compiled_run_refuses_the_sparse_moe_dispatch(mixtral_world: dict[str, Path], tmp_path: Path) -> None:
+    """Mixtral without a capacity factor (the sparse dispatch: dynamic shapes) is refused as the model is built."""
+    overrides = world_overrides(
+        mixtral_world, tmp_path, *settings(mixtral_world, tmp_path, 1, 1, "torch-native"), "torch_native.compile=true"
+    )
+    result = torchrun(RECIPES["mixtral"], overrides, processes=1, env=ENVIRONMENT)
+    assert result.returncode != 0
+    assert f"error: {sparse_dispatch_compiled()}" in result.stderr.splitlines()
 
 
 @pytest.mark.parametrize("layout", ["pp2", "pp2-fsdp2"])
