@@ -33,8 +33,9 @@ class BackendFacts:
     flash_reads_transposed: bool = False
     # Data parallelism shards parameters, gradients and optimizer state (FSDP2), not only the optimizer (ZeRO-1).
     fully_sharded: bool = False
-    # Runs on PyTorch/XLA: the compile stage traces the run with neuron_parallel_compile, which only XLA has.
-    xla: bool = False
+    # On a Neuron site the compile stage traces the run ahead with neuron_parallel_compile (PyTorch/XLA's); False:
+    # the program runs eagerly on the device, or compiles in the process (TorchNeuron).
+    precompiled: bool = True
 
 
 # The neuron backend compiles static graphs (so the dense dispatch), and NKI's flash attention kernel takes
@@ -42,11 +43,11 @@ class BackendFacts:
 FACTS: dict[Backend, BackendFacts] = {
     "cpu": BackendFacts(moe_dispatch="sparse", on_trainium=False),
     "neuron": BackendFacts(
-        moe_dispatch="dense", on_trainium=True, flash_attention_block=2048, flash_reads_transposed=True, xla=True
+        moe_dispatch="dense", on_trainium=True, flash_attention_block=2048, flash_reads_transposed=True
     ),
     # Eager PyTorch on Neuron (TorchNeuron) or on the CPU: dynamic shapes run as they come (a compiled run asks
     # for a static dispatch: `training.config.recipe`); torch's SDPA takes q, k, v with head_dim contiguous.
-    "torch-native": BackendFacts(moe_dispatch="sparse", on_trainium=True, fully_sharded=True),
+    "torch-native": BackendFacts(moe_dispatch="sparse", on_trainium=True, fully_sharded=True, precompiled=False),
 }
 
 

@@ -258,9 +258,10 @@ def render(plan: RunPlan) -> dict[str, str]:
             "stop_file": STOP_FILE,
         }
         if stage.distributed:
-            # On XLA the compile stage traces every graph ahead of the run; an eager backend (torch-native) runs its
-            # two steps as they are, a short canary of the run before the long job.
-            precompiles = stage.name == "compile" and site.neuron and FACTS[recipe.backend].xla
+            # On XLA the compile stage traces every graph ahead of the run; TorchNeuron (torch-native) runs its two
+            # steps as they are, a short canary of the run before the long job. (The cpu backend stands in for the
+            # neuron one on the local Slurm's Neuron-like sites, the launcher's stand-in with it.)
+            precompiles = stage.name == "compile" and site.neuron and FACTS[recipe.backend].precompiled
             context |= {
                 "processes_per_node": processes_per_node(recipe, site),
                 "rendezvous_ports": RENDEZVOUS_PORTS,
