@@ -18,7 +18,7 @@ from constructs import Construct
 from stacks.cluster_requirements import LOCK
 from stacks.config import PARALLELCLUSTER_VERSION
 from stacks.pcluster_config import ClusterResources, ClusterSettings, build_cluster_configuration
-from training.software import BOOTSTRAP_SCRIPT, NODE_SOFTWARE, NodeSoftware
+from training.software import BOOTSTRAP_SCRIPT
 
 # ParallelCluster's provider may attach only policies under this path (or named parallelcluster*).
 PARALLELCLUSTER_POLICY_PATH = "/parallelcluster/"
@@ -59,11 +59,6 @@ def provider_template_url(version: str) -> str:
         "https://${AWS::Region}-aws-parallelcluster.s3.${AWS::Region}.${AWS::URLSuffix}"
         f"/parallelcluster/{version}/templates/custom_resource/cluster.yaml"
     )
-
-
-def bootstrap_neuron_release(software: NodeSoftware = NODE_SOFTWARE["neuron"]) -> str:
-    """The release of `software` the cluster's nodes install (the bootstrap script pins it)."""
-    return software.release()
 
 
 @dataclass(frozen=True)

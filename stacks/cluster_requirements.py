@@ -105,13 +105,12 @@ def normalized(requirement: str) -> str:
 
 def lock_text(pins: Iterable[str], software: NodeSoftware = NEURON_SOFTWARE) -> str:
     node = NODE_OPERATING_SYSTEMS[software.operating_systems[0]]
-    tier = " and by the neuron test tier (`make test-neuron`)" if software.backend == "neuron" else ""
-    environment = "Neuron" if software.backend == "neuron" else "TorchNeuron"
+    tier = " and by the neuron test tier (`make test-neuron`)" if software.lock == LOCK else ""
     header = HEADER.format(
         source=software.requirements_in.name,
         python=node.python,
         glibc=node.glibc_minor,
-        environment=environment,
+        environment=software.env_title,
         tier=tier,
     )
     return header + "".join(f"{pin}\n" for pin in pins)

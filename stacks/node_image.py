@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from stacks.cluster import BAKE_SCRIPT_FILE, NODE_FILES_PREFIX, bootstrap_neuron_release
+from stacks.cluster import BAKE_SCRIPT_FILE, NODE_FILES_PREFIX
 from stacks.config import EnvironmentConfig, load_environment
 from training.errors import UserError, report
 
@@ -29,7 +29,7 @@ def build_image_configuration(
     """The build-image configuration: the bake script the deploy ships, on a small instance of the environment's
     head node type, with the compute nodes' policy (it reads the bootstrap and the recorded Neuron key)."""
     software = config.compute.node_software
-    release = bootstrap_neuron_release(software).replace(".", "-")
+    release = software.release().replace(".", "-")
     build: dict[str, Any] = {
         "InstanceType": config.head_node.instance_type,
         "ParentImage": parent_image,

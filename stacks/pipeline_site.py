@@ -14,12 +14,12 @@ from stacks.cost import besides_training_nodes_usd_per_hour, training_node_usd_p
 from training.config.hardware import HARDWARE
 from training.config.site import Site
 from training.monitoring.cloudwatch import namespace_of
+from training.software import ENVS_FOLDER
 
 # Where ParallelCluster installs Slurm; only login shells get it on PATH (/etc/profile.d/slurm.sh).
 PARALLELCLUSTER_SLURM_BIN = "/opt/slurm/bin"
-# Folders of the file system whose content nodes execute: the shared environment, the sources the
+# Folders of the file system whose content nodes execute: the shared environments, the sources the
 # pipeline fetches (the custom resource's `<mount>/pipeline/`) and the compile cache.
-ENVS_FOLDER = "envs"
 NEURON_CACHE_FOLDER = "neuron-cache"
 EXECUTED_FOLDERS = (ENVS_FOLDER, "pipeline", NEURON_CACHE_FOLDER)
 # The folder of base models: the fetch stage downloads into it and copies to the bucket prefix the file system

@@ -15,7 +15,7 @@ from aws_cdk import aws_logs as logs
 from constructs import Construct
 
 from stacks.budget import BudgetGuard
-from stacks.cluster import NODE_FILES_PREFIX, Cluster, NodeHealth, bootstrap_neuron_release
+from stacks.cluster import NODE_FILES_PREFIX, Cluster, NodeHealth
 from stacks.compile_cache import CompileCache, promoter_name
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig
 from stacks.log_groups import log_group_with_retention
@@ -112,7 +112,7 @@ class TrainingEnvironmentStack(Stack):
         for key, value in sorted(config.tags.items()):
             Tags.of(self).add(key, value)
         self._add_foundation(config)
-        neuron_release = bootstrap_neuron_release(config.compute.node_software)
+        neuron_release = config.compute.node_software.release()  # the bootstrap script pins it
         # One log group for the stack's one BucketDeployment handler (the code and the node files).
         deployment_logs = log_group_with_retention(self, "DeploymentLogs", config.logging.retention_days)
         self.cluster = self._add_cluster(config, neuron_release, deployment_logs)

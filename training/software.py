@@ -26,6 +26,8 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent
 BOOTSTRAP_SCRIPT = SOURCE_ROOT / "assets" / "node" / "on_node_configured.sh"
 NODE_ASSETS = SOURCE_ROOT / "assets" / "node"
 CLUSTER_LOCK = NODE_ASSETS / "cluster-requirements.txt"
+# The file system's folder of the shared Python environments the head node's bootstrap builds.
+ENVS_FOLDER = "envs"
 # Written last into a finished shared environment by the bootstrap script (its ENV_MARKER), one key=value a line.
 ENV_MARKER = ".neuron-env-complete"
 # The distributions whose versions say what trained and converted the model; absent ones are left out.
@@ -67,6 +69,7 @@ class NodeSoftware:
     operating_systems: tuple[str, ...]  # ParallelCluster Image.Os values the lock installs on; `make lock`: first
     generations: tuple[Generation, ...]  # Trainium generations the release runs on
     env_prefix: str  # the shared environment's folder: <mount>/envs/<env_prefix>-<release>
+    env_title: str  # what the lock's header calls that environment
 
     def release(self, script: str | None = None) -> str:
         """The release the bootstrap script pins for this set; the script is the one place it is written."""
@@ -84,7 +87,7 @@ class NodeSoftware:
         return tuple(name for name in self.pin_variables if not values.get(name))
 
     def shared_env(self, mount_dir: str, release: str) -> str:
-        return f"{mount_dir}/envs/{self.env_prefix}-{release}"
+        return f"{mount_dir}/{ENVS_FOLDER}/{self.env_prefix}-{release}"
 
 
 NODE_SOFTWARE: dict[Backend, NodeSoftware] = {
@@ -102,6 +105,7 @@ NODE_SOFTWARE: dict[Backend, NodeSoftware] = {
         operating_systems=("ubuntu2204", "ubuntu2404"),
         generations=("trn1", "trn2"),
         env_prefix="neuron",
+        env_title="Neuron",
     ),
     # TorchNeuron's wheels are announced for Ubuntu 24.04 from Neuron 2.34 (2.33's were for Ubuntu 26.04 only, which
     # ParallelCluster does not run); its Python is 3.12 to 3.14, so Ubuntu 22.04's 3.10 cannot run it.
@@ -118,6 +122,7 @@ NODE_SOFTWARE: dict[Backend, NodeSoftware] = {
         operating_systems=("ubuntu2404",),
         generations=("trn2",),
         env_prefix="torchneuron",
+        env_title="TorchNeuron",
     ),
 }
 # What a Trainium queue installs unless its environment file says otherwise: NxD where TorchNeuron does not run

@@ -27,7 +27,7 @@ from pcluster.models.cluster_resources import ClusterStack
 from pcluster.schemas.cluster_schema import ClusterSchema
 
 from stacks.application import ENVIRONMENTS_DIR
-from stacks.cluster import bootstrap_arguments, bootstrap_neuron_release
+from stacks.cluster import bootstrap_arguments
 from stacks.config import PARALLELCLUSTER_VERSION, EnvironmentConfig, load_environment
 from stacks.pcluster_config import build_cluster_configuration
 from stacks.pipeline_site import shared_env_path
@@ -63,12 +63,12 @@ def merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def environment(directory: Path, changes: dict[str, Any]) -> EnvironmentConfig:
-    """default.yaml with `changes`, written as a user would write it and loaded by the real loader."""
+def environment(directory: Path, changes: dict[str, Any], base: str = "default") -> EnvironmentConfig:
+    """environments/<base>.yaml with `changes`, written as a user would write it and loaded by the real loader."""
     directory.mkdir(parents=True)
-    data = merged(yaml.safe_load((ENVIRONMENTS_DIR / "default.yaml").read_text()), changes)
-    (directory / "default.yaml").write_text(yaml.safe_dump(data))
-    return load_environment("default", directory)
+    data = merged(yaml.safe_load((ENVIRONMENTS_DIR / f"{base}.yaml").read_text()), changes)
+    (directory / f"{base}.yaml").write_text(yaml.safe_dump(data))
+    return load_environment(base, directory)
 
 
 @pytest.fixture(scope="module")
@@ -252,11 +252,12 @@ def test_the_dependency_setting_reaches_a_cluster_deployed_without_it_while_jobs
 def pure_configuration(config: EnvironmentConfig) -> dict[str, Any]:
     """The cluster configuration of `config` with placeholder ids and the bootstrap arguments the stack derives
     from it (the arguments are part of what ParallelCluster compares)."""
-    release = bootstrap_neuron_release()
+    software = config.compute.node_software
+    release = software.release()
     arguments = bootstrap_arguments(
         neuron_release=release,
         shared_env=shared_env_path(config, release),
-        requirements_uri="s3://bucket/cluster/cluster-requirements.txt",
+        requirements_uri=f"s3://bucket/cluster/{software.lock.name}",
         node_settings_uri="s3://bucket/cluster/node-settings.json",
         health=node_health(config),
         environment_name=config.name,
@@ -326,3 +327,27 @@ def test_what_each_setting_needs_on_a_running_cluster(
     if "UNSUPPORTED" in expected:
         with pytest.raises(AssertionError):
             assert_no_running_job_is_killed(patch, changes)
+
+
+def test_another_software_set_for_the_trainium_queue_needs_a_new_cluster(
+    tmp_path: Path, fleet: Callable[[str], None], torchneuron_pinned: Path
+) -> None:
+    """`compute.backend` chooses the release, the shared environment and the lock every node's bootstrap is given
+    (the head node's included), so switching a trn2 cluster between NxD and TorchNeuron is a new cluster, as
+    docs/operations.md says: ParallelCluster refuses the update while the fleet runs, and with it stopped."""
+    # On demand: the capacity is the same on both sides, and ParallelCluster's check of a Capacity Block asks EC2
+    # (DescribeCapacityReservations), which moto does not serve.
+    trn2 = {"os": "ubuntu2404", "compute": {"capacity": {"type": "on-demand", "reservation_id": None}}}
+    nxd = environment(tmp_path / "nxd", merged(trn2, {"compute": {"backend": "neuron"}}), base="trn2")
+    native_changes = {"compute": {"backend": "torch-native"}, "pipeline": {"overrides": []}}
+    native = environment(tmp_path / "native", merged(trn2, native_changes), base="trn2")
+    assert (nxd.compute.node_software.backend, native.compute.node_software.backend) == ("neuron", "torch-native")
+    for status in ("RUNNING", "STOPPED"):
+        fleet(status)
+        patch = config_patch(pure_configuration(nxd), pure_configuration(native))
+        assert policies(patch) == {
+            "HeadNode.CustomActions.OnNodeConfigured.Args": "UNSUPPORTED",
+            "Scheduling.SlurmQueues[trn2].CustomActions.OnNodeConfigured.Args": "QUEUE_UPDATE_STRATEGY",
+            "Scheduling.SlurmQueues[cpu].CustomActions.OnNodeConfigured.Args": "QUEUE_UPDATE_STRATEGY",
+        }
+        assert patch.check()[0] is False

@@ -12,11 +12,12 @@ import yaml
 from pcluster.schemas.imagebuilder_schema import ImageBuilderSchema
 
 from stacks.application import ENVIRONMENTS_DIR
-from stacks.cluster import BAKE_SCRIPT_FILE, bootstrap_neuron_release
+from stacks.cluster import BAKE_SCRIPT_FILE
 from stacks.config import load_environment
 from stacks.node_image import build_image_configuration, main
 from tests.infra.test_day2 import node_files_deployment, uploaded_files
 from tests.support.synthesis import Synthesized
+from training.software import NODE_SOFTWARE
 
 POLICY = "arn:aws:iam::123456789012:policy/parallelcluster/trainium-default-ComputeNodePolicy"
 PARENT = "ami-0123456789abcdef0"
@@ -36,7 +37,7 @@ def test_the_configuration_passes_parallelclusters_schema() -> None:
     (component,) = loaded.build.components
     assert (component.type, component.value) == ("script", f"s3://results/cluster/{BAKE_SCRIPT_FILE}")
     assert configuration["Build"]["UpdateOsPackages"] == {"Enabled": False}  # the driver's kernel stays
-    assert configuration["Image"]["Name"] == f"trn1-llama-neuron-{bootstrap_neuron_release().replace('.', '-')}"
+    assert configuration["Image"]["Name"] == f"trn1-llama-neuron-{NODE_SOFTWARE['neuron'].release().replace('.', '-')}"
 
 
 def test_the_schema_refuses_what_the_command_must_not_print() -> None:
@@ -60,7 +61,7 @@ def test_the_deploy_ships_the_bake_script(default_env: Synthesized, tmp_path: Pa
     files = uploaded_files(default_env.outdir, default_env.template, node_files_deployment(default_env.template))
     script = files[BAKE_SCRIPT_FILE].decode()
     assert "aws s3 cp --only-show-errors" in script and "/cluster/on_node_configured.sh" in script
-    assert f"--bake --node-type compute --neuron-release {bootstrap_neuron_release()}" in script
+    assert f"--bake --node-type compute --neuron-release {NODE_SOFTWARE['neuron'].release()}" in script
     rendered = tmp_path / BAKE_SCRIPT_FILE
     rendered.write_text(script)
     assert subprocess.run(["bash", "-n", str(rendered)], check=False).returncode == 0
