@@ -4,6 +4,7 @@ OS each set runs on, checked with pip's own resolver (it reads package metadata 
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tomllib
@@ -17,21 +18,35 @@ from stacks.cluster_requirements import (
     read_lock,
     resolve,
 )
+from training.config.backends import Backend
 from training.software import NODE_OPERATING_SYSTEMS, NODE_SOFTWARE
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
 
-SOFTWARE_ON_OS = [(backend, os) for backend, software in NODE_SOFTWARE.items() for os in software.operating_systems]
+SOFTWARE_ON_OS: list[tuple[Backend, str]] = [
+    (backend, os) for backend, software in NODE_SOFTWARE.items() for os in software.operating_systems
+]
 
 
-@pytest.mark.parametrize(("backend", "os"), SOFTWARE_ON_OS)
-def test_each_lock_resolves_to_itself_for_the_python_of_every_os_it_runs_on(backend: str, os: str) -> None:
+def test_each_lock_resolves_to_itself_for_the_python_of_every_os_it_runs_on() -> None:
     """Resolving a lock for an OS's CPython and glibc installs exactly the lock: every dependency of every pin is
     in it, at a version that satisfies everything that needs it, with a wheel for that platform (the neuron
-    backend's on Ubuntu 22.04's 3.10 and 24.04's 3.12; TorchNeuron's on 24.04's 3.12)."""
-    lock = NODE_SOFTWARE[backend].lock  # type: ignore[index]
-    assert pins_of(resolve(["-r", str(lock)], NODE_OPERATING_SYSTEMS[os])) == list(read_lock(lock))
+    backend's on Ubuntu 22.04's 3.10 and 24.04's 3.12; TorchNeuron's on 24.04's 3.12). The resolutions run side
+    by side: each spends most of its time waiting for PyPI."""
+
+    def resolved(backend: Backend, os: str) -> list[str]:
+        return pins_of(resolve(["-r", str(NODE_SOFTWARE[backend].lock)], NODE_OPERATING_SYSTEMS[os]))
+
+    with ThreadPoolExecutor(max_workers=len(SOFTWARE_ON_OS)) as pool:
+        results = list(pool.map(lambda pair: resolved(*pair), SOFTWARE_ON_OS))
+    assert len(SOFTWARE_ON_OS) == 3  # neuron on two OSes, TorchNeuron on one
+    differences = {
+        f"{backend} on {os}": sorted(set(pins) ^ set(read_lock(NODE_SOFTWARE[backend].lock)))
+        for (backend, os), pins in zip(SOFTWARE_ON_OS, results, strict=True)
+        if pins != list(read_lock(NODE_SOFTWARE[backend].lock))
+    }
+    assert not differences, f"pins the resolution and the lock do not share (run `make lock`): {differences}"
 
 
 def test_the_torchneuron_lock_pins_what_the_tests_run_the_torch_native_backend_with() -> None:

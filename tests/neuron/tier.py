@@ -99,13 +99,19 @@ def neuronx_distributed_source(cache: Path = CACHE) -> Path:
 
 def main(arguments: list[str]) -> int:
     venv_dir = environment()
+    python = str(venv_dir / "bin" / "python")
+    nxd_source = neuronx_distributed_source()
+    # Its bytecode once (up-to-date files are skipped): where PYTHONDONTWRITEBYTECODE is set, each of the tier's
+    # hundred-odd processes that imports NxD would compile its source again.
+    subprocess.run(
+        [python, "-m", "compileall", "-q", "-j", "0", str(nxd_source)], check=True, stdout=subprocess.DEVNULL
+    )
     environ = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(STANDINS), str(neuronx_distributed_source()), str(ROOT)]),
+        "PYTHONPATH": os.pathsep.join([str(STANDINS), str(nxd_source), str(ROOT)]),
         "PJRT_DEVICE": "CPU",
         "NEURON_TIER": "1",
     }
-    python = str(venv_dir / "bin" / "python")
     if arguments:
         return subprocess.run([python, "-m", "pytest", *arguments], cwd=ROOT, env=environ, check=False).returncode
     return run_side_by_side([[python, "-m", "pytest", *run] for run in RUNS], environ)
