@@ -17,9 +17,10 @@ training job only the tests not marked `slow` are rerun (the loader, the precisi
 training job with torchrun on the CPU backend, which the cluster never runs (it trains on the neuron backend, and
 this tier's own tests train that one, and the CPU backend beside it as their reference, under the lock's versions).
 The configuration, monitoring, Slurm pipeline rendering, CLI, logging and bad-input suites test our code over
-libraries pinned alike: the main suite's run is their verdict. The reruns use two xdist workers (their tests use no
-local Slurm); the tier's own tests run in one process (one XLA runtime). The three pytest runs go side by side,
-each one's output printed whole when it ends.
+libraries pinned alike: the main suite's run is their verdict. The folders' reruns use two xdist workers (their
+tests use no local Slurm), the training job's few quick tests one process (a second worker would cost more to
+start than they take); the tier's own tests run in one process (one XLA runtime). The three pytest runs go side by
+side, each one's output printed whole when it ends.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ VERSIONED = (
 VERSIONED_UNLESS_SLOW = ("tests/training/train",)
 # One pytest process each: the training tests check that reading xser files never imports torch_xla, which the
 # neuron tests have imported by then.
-RUNS = (("tests/neuron",), ("-n", "2", *VERSIONED), ("-n", "2", "-m", "not slow", *VERSIONED_UNLESS_SLOW))
+RUNS = (("tests/neuron",), ("-n", "2", *VERSIONED), ("-m", "not slow", *VERSIONED_UNLESS_SLOW))
 
 
 def digest(path: Path) -> str:
