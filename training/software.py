@@ -130,11 +130,6 @@ NODE_SOFTWARE: dict[Backend, NodeSoftware] = {
 DEFAULT_BACKEND: dict[Generation, Backend] = {"trn1": "neuron", "trn2": "torch-native"}
 
 
-def pinned_neuron_release(script: str) -> str:
-    """The neuron backend's Neuron SDK release the bootstrap script pins."""
-    return NODE_SOFTWARE["neuron"].release(script)
-
-
 def marker_pins(text: str, origin: str) -> Pins | None:
     """The release and lock digest an environment's marker records; None if it records neither."""
     fields = dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)

@@ -36,7 +36,7 @@ from tests.support.pcluster_offline import (
 )
 from tests.support.synthesis import ENVIRONMENT_NAMES, Synthesized, cdk_json_context
 from training.config.hardware import HARDWARE
-from training.software import NODE_SOFTWARE, pinned_neuron_release
+from training.software import NODE_SOFTWARE
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out (pyproject.toml)
 
@@ -337,7 +337,7 @@ def test_ssh_key_is_optional_and_off_by_default() -> None:
 
 
 def test_neuron_release_comes_from_the_bootstrap_script() -> None:
-    release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
+    release = NODE_SOFTWARE["neuron"].release(BOOTSTRAP_SCRIPT.read_text())
     assert re.fullmatch(r"\d+\.\d+\.\d+", release)
     config = load_environment("default", ENVIRONMENTS_DIR)
     arguments = bootstrap_arguments(
@@ -372,7 +372,7 @@ def test_neuron_release_comes_from_the_bootstrap_script() -> None:
     )
     assert {"torch==2.9.1", "torch-xla==2.9.0", "transformers==4.57.6"} <= set(read_lock(LOCK))
     with pytest.raises(ValueError, match="pins no NEURON_RELEASE"):
-        pinned_neuron_release("#!/bin/bash\n")
+        NODE_SOFTWARE["neuron"].release("#!/bin/bash\n")
 
 
 def test_cluster_installs_the_training_pins_only() -> None:

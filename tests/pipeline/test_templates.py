@@ -20,7 +20,7 @@ from training.config.site import Site
 from training.pipeline.plan import STAGES, plan_run
 from training.pipeline.scripts import render, stage_command, stage_time_minutes
 from training.pipeline.submit import dependency_option
-from training.software import BOOTSTRAP_SCRIPT, pinned_neuron_release
+from training.software import BOOTSTRAP_SCRIPT, NODE_SOFTWARE
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -30,7 +30,7 @@ CLUSTER_RECIPES = ("llama31-8b-cpt", "mixtral-8x7b-sft")
 def default_site(environment: str = "default") -> Site:
     """The site file the deploy writes for a bundled environment."""
     config = load_environment(environment, ROOT / "environments")
-    release = pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
+    release = NODE_SOFTWARE["neuron"].release(BOOTSTRAP_SCRIPT.read_text())
     settings = site_settings(
         config,
         neuron_release=release,

@@ -35,7 +35,6 @@ from training.software import (
     ENV_MARKER,
     NODE_SOFTWARE,
     Pins,
-    pinned_neuron_release,
     running_pins,
 )
 
@@ -146,7 +145,7 @@ def test_the_card_carries_the_licence_the_base_model_and_the_runs_provenance(run
     run = json.loads((run_dir / "run.json").read_text())
     assert all(f"- `{override}`" in text for override in run["overrides"])
     assert (run_dir / "recipe.yaml").read_text() in text
-    assert f"| Neuron SDK release | `{pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())}` |" in text
+    assert f"| Neuron SDK release | `{NODE_SOFTWARE['neuron'].release(BOOTSTRAP_SCRIPT.read_text())}` |" in text
     assert hashlib.sha256(CLUSTER_LOCK.read_bytes()).hexdigest() in text
     assert f"| `torch` | `{metadata.version('torch')}` |" in text
     assert "| `hellaswag` | `acc_norm` | 0.52 | 0.5125 | -0.75 | 400 |" in text
@@ -300,7 +299,9 @@ def test_the_pins_come_from_the_environment_marker_else_from_the_shipped_source(
     marked = running_pins(tmp_path)
     assert marked == Pins("2.28.1", "b" * 64, f"the job's Python environment ({tmp_path / ENV_MARKER})")
     shipped = running_pins(tmp_path / "no-marker")
-    assert shipped is not None and shipped.neuron_release == pinned_neuron_release(BOOTSTRAP_SCRIPT.read_text())
+    assert shipped is not None and shipped.neuron_release == NODE_SOFTWARE["neuron"].release(
+        BOOTSTRAP_SCRIPT.read_text()
+    )
     assert shipped.lock_sha256 == hashlib.sha256(CLUSTER_LOCK.read_bytes()).hexdigest()
     assert running_pins(tmp_path / "no-marker", root=tmp_path / "installed-without-source") is None
     # A torch-native run's card names the TorchNeuron release and lock the trn2 nodes install.
